@@ -1,0 +1,125 @@
+"""Public entry point: ``fused_moe`` (validation, path selection, dispatch).
+
+Which code runs where:
+
+* CUDA tensors: the Triton kernels (route pack, GEMM1 + activation, GEMM2, top-k sum).
+* CPU tensors with ``TRITON_INTERPRET=1``: the same Triton kernels in Triton's
+  interpreter, in their pure-Triton form (no inline asm) — slow, for tests.
+* CPU tensors otherwise: the PyTorch emulation of the chosen path
+  (:func:`mxmoe.reference.fused_moe_reference` with ``mode`` = the precision).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from .prepare import PreparedExperts
+from .reference import ACTIVATIONS, activation_params, fused_moe_reference
+from .selection import select_precision
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_backend(device: torch.device) -> str:
+    """``"triton"`` where the kernels run (CUDA, or CPU under the interpreter), else ``"reference"``."""
+    return "triton" if device.type == "cuda" or triton_interpreting() else "reference"
+
+
+def _check_tensor(t, name, dtypes, dim, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the experts' device)")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out):
+    """Every check of SPEC §7; raises before any work. Returns (T, top_k)."""
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts must be a PreparedExperts (from mxmoe.prepare_weights), got {type(experts).__name__}")
+    device = experts.device
+    _check_tensor(x, "x", (torch.bfloat16,), 2, device)
+    if x.shape[1] != experts.hidden_size:
+        raise ValueError(f"x has hidden size {x.shape[1]}, experts have {experts.hidden_size}")
+    _check_tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), 2, device)
+    T, top_k = topk_ids.shape
+    if T != x.shape[0]:
+        raise ValueError(f"topk_ids has {T} rows, x has {x.shape[0]}")
+    if top_k < 1:
+        raise ValueError("topk_ids must have at least one column")
+    _check_tensor(topk_weights, "topk_weights", (torch.float32, torch.bfloat16), 2, device)
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
+    if expert_map is not None:
+        _check_tensor(expert_map, "expert_map", (torch.int32,), 1, device)
+        if expert_map.numel() == 0:
+            raise ValueError("expert_map must not be empty")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if swiglu_limit is not None and (not isinstance(swiglu_limit, (int, float)) or not math.isfinite(swiglu_limit) or swiglu_limit <= 0):
+        raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {swiglu_limit!r}")
+    if swiglu_alpha is not None:
+        if activation != "swigluoai":
+            raise ValueError("swiglu_alpha applies only to activation='swigluoai'")
+        if not isinstance(swiglu_alpha, (int, float)) or not math.isfinite(swiglu_alpha):
+            raise ValueError(f"swiglu_alpha must be a finite number, got {swiglu_alpha!r}")
+    if out is not None:
+        _check_tensor(out, "out", (torch.bfloat16,), 2, device)
+        if out.shape != x.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
+        if out.numel() and out.data_ptr() == x.data_ptr():
+            raise ValueError("out must not alias x")
+    return T, top_k
+
+
+def fused_moe(
+    x: torch.Tensor,
+    experts: PreparedExperts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    swiglu_limit: Optional[float] = None,
+    swiglu_alpha: Optional[float] = None,
+    expert_map: Optional[torch.Tensor] = None,
+    precision: str = "auto",
+    out: Optional[torch.Tensor] = None,
+    workspace=None,
+    return_precision: bool = False,
+):
+    """Fused MoE layer: ``out[t] = sum_k topk_weights[t,k] * y_{topk_ids[t,k]}(x[t])``.
+
+    ``x`` BF16 ``[T, H]``; ``topk_weights`` FP32 or BF16 ``[T, top_k]``; ``topk_ids`` int32
+    or int64 ``[T, top_k]`` (masked routes per SPEC §3 contribute zero); ``expert_map``
+    int32 ``[E_global]`` (global -> local id or -1) for expert parallelism.
+    ``activation``: ``"silu"`` (``swiglu_limit`` clamps as in GLM) or ``"swigluoai"``
+    (defaults alpha 1.702, limit 7). ``precision``: ``"auto"`` (environment
+    ``MXMOE_FP8_PREFILL_MIN_ROWS``), ``"w4a16"`` or ``"w4a8"``; CUDA-graph capture always
+    runs W4A16. ``out``: optional BF16 ``[T, H]`` to write. ``workspace``: a
+    :class:`mxmoe.Workspace` sized for the largest T (needed for graph capture; without
+    one a cached workspace grows on demand outside capture). Returns ``out``, or
+    ``(out, precision_that_ran)`` with ``return_precision=True``.
+    Bad arguments raise ``TypeError``/``ValueError`` naming the argument, before any work.
+    """
+    T, top_k = validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out)
+    ran = select_precision(T * top_k, precision=precision)
+    limit, alpha = activation_params(activation, swiglu_limit, swiglu_alpha)
+    if kernel_backend(x.device) == "triton":
+        from ._details.launch import run_fused_moe
+
+        result = run_fused_moe(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, ran, out, workspace)
+    else:
+        ref = fused_moe_reference(x, experts, topk_weights, topk_ids, activation=activation, swiglu_limit=swiglu_limit,
+                                  swiglu_alpha=swiglu_alpha, expert_map=expert_map, mode=ran)
+        result = ref if out is None else out.copy_(ref)
+    return (result, ran) if return_precision else result

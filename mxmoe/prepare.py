@@ -1,0 +1,225 @@
+"""Prepared expert weights: the one representation both kernel paths read.
+
+Layout (``PreparedExperts``):
+
+* ``w13``  uint8 ``[E, 2I, H/2]``, rows normalized to ``[gate; up]``, K-contiguous, source nibbles.
+* ``w13_scale`` uint8 ``[E, 2I, H/32]``; ``w2`` uint8 ``[E, H, I/2]``; ``w2_scale`` uint8 ``[E, H, I/32]``.
+* ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
+  largest scale byte). Kernels fold ``2**(b - ref)`` into the converted weight and apply
+  ``2**(ref - 127)`` once per row in the FP32 epilogue.
+* ``w13_windows`` / ``w2_windows`` int32 ``[E, rows]``: how many FP8 exponent windows the
+  row's scale span needs. E2M1 * 2**d is exact in E4M3 for d in [-8, 6], so one window
+  covers a 15-binade span; W4A8 runs one K pass per window (almost always 1) and never
+  clamps a block. Spans are per row, not per (row, K-tile): per-row folding keeps one
+  FP32 rescale per row in the epilogue instead of one per K-tile in the main loop.
+
+About 4.25 bits per weight plus 8 bytes of metadata per row; no second copy for FP8.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .format import BLOCK_K, check_no_nan_scales, scales_as_uint8
+
+W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
+# One E4M3 exponent window: e2m1 * 2**d is exact in E4M3 for d in [FP8_FOLD_MIN, FP8_FOLD_MAX].
+FP8_FOLD_MAX = 6
+FP8_FOLD_MIN = -8
+FP8_WINDOW = FP8_FOLD_MAX - FP8_FOLD_MIN + 1
+
+
+@dataclass
+class PreparedExperts:
+    """Expert weights prepared once per model by :func:`prepare_weights`."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w13_ref: torch.Tensor
+    w13_windows: torch.Tensor
+    w2_ref: torch.Tensor
+    w2_windows: torch.Tensor
+    b13: Optional[torch.Tensor]
+    b2: Optional[torch.Tensor]
+    w13_global_scale: Optional[torch.Tensor]
+    w2_global_scale: Optional[torch.Tensor]
+    source_layout: str
+    source_scale_dtype: torch.dtype
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    @property
+    def max_windows(self) -> int:
+        """Largest W4A8 window count of any row (1 for any checkpoint with spans <= 15 binades)."""
+        return int(max(self.w13_windows.max(), self.w2_windows.max())) if self.num_experts else 1
+
+    def memory(self) -> dict:
+        """Bytes held, by part, and bits per weight."""
+        parts = {
+            "weights": self.w13.nbytes + self.w2.nbytes,
+            "scales": self.w13_scale.nbytes + self.w2_scale.nbytes,
+            "row_metadata": self.w13_ref.nbytes + self.w13_windows.nbytes + self.w2_ref.nbytes + self.w2_windows.nbytes,
+            "biases": sum(t.nbytes for t in (self.b13, self.b2, self.w13_global_scale, self.w2_global_scale) if t is not None),
+        }
+        n_weights = 2 * (self.w13.numel() + self.w2.numel())
+        parts["total"] = sum(parts.values())
+        parts["bits_per_weight"] = 8.0 * (parts["weights"] + parts["scales"]) / max(n_weights, 1)
+        parts["bits_per_weight_all"] = 8.0 * parts["total"] / max(n_weights, 1)
+        return parts
+
+    def to(self, device) -> "PreparedExperts":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PreparedExperts(**{k: move(v) if isinstance(v, torch.Tensor) or v is None else v for k, v in self.__dict__.items()})
+
+
+def _row_spans(scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: reference exponent byte (the largest scale) and W4A8 windows needed."""
+    hi = scale_u8.amax(dim=-1).to(torch.int32)
+    lo = scale_u8.amin(dim=-1).to(torch.int32)
+    # window w covers d = b - ref in [FOLD_MIN - w*WINDOW, FOLD_MAX - w*WINDOW] with ref = hi - FOLD_MAX
+    windows = (hi - lo) // FP8_WINDOW + 1
+    return hi.contiguous(), windows.to(torch.int32).contiguous()
+
+
+def _check_packed(w, s, name, rows, k):
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor")
+    if w.dtype != torch.uint8:
+        raise TypeError(f"{name} must be torch.uint8 (packed E2M1), got {w.dtype}")
+    s = scales_as_uint8(s, f"{name}_scale")
+    if w.dim() != 3 or (rows is not None and w.shape[1] != rows) or (k is not None and w.shape[2] * 2 != k):
+        raise ValueError(f"{name} has shape {tuple(w.shape)}, expected [E, {rows}, {k}/2]")
+    if (w.shape[2] * 2) % BLOCK_K:
+        raise ValueError(f"{name}: K = {w.shape[2] * 2} is not a multiple of {BLOCK_K}")
+    if s.shape != (w.shape[0], w.shape[1], w.shape[2] * 2 // BLOCK_K):
+        raise ValueError(f"{name}_scale has shape {tuple(s.shape)}, expected {(w.shape[0], w.shape[1], w.shape[2] * 2 // BLOCK_K)}")
+    if s.device != w.device:
+        raise ValueError(f"{name}_scale is on {s.device}, {name} on {w.device}")
+    check_no_nan_scales(s, f"{name}_scale")
+    return s
+
+
+def _to_gate_up(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """Reorder dim 1 of a w13-shaped tensor from ``layout`` to [gate; up]."""
+    if layout == "gate_up":
+        return t.contiguous()
+    if layout == "up_gate":
+        half = t.shape[1] // 2
+        return torch.cat((t[:, half:], t[:, :half]), dim=1).contiguous()
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
+
+
+def _from_gate_up(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "gate_up":
+        return t
+    half = t.shape[1] // 2
+    if layout == "up_gate":
+        return torch.cat((t[:, half:], t[:, :half]), dim=1)
+    return torch.stack((t[:, :half], t[:, half:]), dim=2).reshape(t.shape)
+
+
+def prepare_weights(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    w13_layout: str = "gate_up",
+    b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    w13_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
+) -> PreparedExperts:
+    """Prepare E2M1-K32 expert weights once per model for both kernel paths.
+
+    ``w13`` uint8 ``[E, 2I, H/2]`` with scales ``[E, 2I, H/32]``, rows ordered by
+    ``w13_layout`` (``gate_up``, ``up_gate`` or ``interleaved``: even rows gate, odd rows
+    up); ``w2`` uint8 ``[E, H, I/2]`` with scales ``[E, H, I/32]``. Scales are uint8 or
+    ``torch.float8_e8m0fnu``; byte 255 is rejected. Optional biases ``b13 [E, 2I]`` (same
+    row order as ``w13``) and ``b2 [E, H]``, and per-expert FP32 global scales ``[E]``
+    (default 1) multiplying each GEMM's output before its bias. Runs on the weights'
+    device; call once at load time (it synchronizes with the host to validate).
+    """
+    if w13_layout not in W13_LAYOUTS:
+        raise ValueError(f"w13_layout must be one of {W13_LAYOUTS}, got {w13_layout!r}")
+    source_scale_dtype = w13_scale.dtype if isinstance(w13_scale, torch.Tensor) else torch.uint8
+    s13 = _check_packed(w13, w13_scale, "w13", None, None)
+    E, two_i, half_h = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13 has {two_i} rows; expected 2*I")
+    H, I = half_h * 2, two_i // 2
+    s2 = _check_packed(w2, w2_scale, "w2", H, I)
+    if w2.shape[0] != E:
+        raise ValueError(f"w2 has {w2.shape[0]} experts, w13 has {E}")
+    if I % BLOCK_K:
+        raise ValueError(f"w2: K = I = {I} is not a multiple of {BLOCK_K}")
+    if w2.device != w13.device:
+        raise ValueError(f"w2 is on {w2.device}, w13 on {w13.device}")
+
+    def vector(t, name, shape):
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.device != w13.device:
+            raise ValueError(f"{name} is on {t.device}, w13 on {w13.device}")
+        return t.float().contiguous()
+
+    b13 = vector(b13, "b13", (E, two_i))
+    b2 = vector(b2, "b2", (E, H))
+    g13 = vector(w13_global_scale, "w13_global_scale", (E,))
+    g2 = vector(w2_global_scale, "w2_global_scale", (E,))
+
+    w13_n = _to_gate_up(w13, w13_layout)
+    s13_n = _to_gate_up(s13, w13_layout)
+    w13_ref, w13_windows = _row_spans(s13_n)
+    w2_ref, w2_windows = _row_spans(s2)
+    return PreparedExperts(
+        w13=w13_n, w13_scale=s13_n, w2=w2.contiguous(), w2_scale=s2.contiguous(),
+        w13_ref=w13_ref, w13_windows=w13_windows, w2_ref=w2_ref, w2_windows=w2_windows,
+        b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
+        b2=b2, w13_global_scale=g13, w2_global_scale=g2,
+        source_layout=w13_layout, source_scale_dtype=source_scale_dtype,
+    )
+
+
+def unprepare_weights(experts: PreparedExperts) -> dict:
+    """Decode a :class:`PreparedExperts` back to the source tensors, bit for bit.
+
+    Returns ``w13, w13_scale, w2, w2_scale`` in the source row layout and scale dtype
+    (plus ``b13``/``b2`` as float32 when present) and ``w13_layout``.
+    """
+    def scale(t):
+        return t.view(experts.source_scale_dtype) if experts.source_scale_dtype != torch.uint8 else t
+
+    layout = experts.source_layout
+    out = dict(
+        w13=_from_gate_up(experts.w13, layout).contiguous(),
+        w13_scale=scale(_from_gate_up(experts.w13_scale, layout).contiguous()),
+        w2=experts.w2.clone(), w2_scale=scale(experts.w2_scale.clone()), w13_layout=layout,
+    )
+    if experts.b13 is not None:
+        out["b13"] = _from_gate_up(experts.b13.unsqueeze(-1), layout).squeeze(-1).contiguous()
+    if experts.b2 is not None:
+        out["b2"] = experts.b2.clone()
+    return out

@@ -1,0 +1,44 @@
+"""Path selection between W4A16 and W4A8 (SPEC §6)."""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+ENV_MIN_ROWS = "MXMOE_FP8_PREFILL_MIN_ROWS"
+PRECISIONS = ("auto", "w4a16", "w4a8")
+
+
+def fp8_min_rows() -> int:
+    """The FP8 prefill threshold from ``MXMOE_FP8_PREFILL_MIN_ROWS`` (unset/empty = 0 = off)."""
+    raw = os.environ.get(ENV_MIN_ROWS, "").strip()
+    if raw == "":
+        return 0
+    if not re.fullmatch(r"\+?\d+", raw):
+        raise ValueError(f"{ENV_MIN_ROWS} must be an integer >= 0 (0 = FP8 path off), got {raw!r}")
+    return int(raw)
+
+
+def is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def select_precision(rows: int, *, precision: str = "auto", capturing: bool | None = None) -> str:
+    """Which path runs for ``rows = T * top_k`` routed rows: ``"w4a16"`` or ``"w4a8"``.
+
+    During CUDA-graph capture (``capturing=None`` asks the current stream) W4A16 always
+    runs, whatever was asked. Otherwise an explicit ``precision`` wins; ``"auto"`` runs
+    W4A8 when ``MXMOE_FP8_PREFILL_MIN_ROWS`` > 0 and ``rows >= `` it. A malformed
+    environment value raises ``ValueError``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    threshold = fp8_min_rows()  # validate even when it does not decide
+    if capturing is None:
+        capturing = is_capturing()
+    if capturing:
+        return "w4a16"
+    if precision != "auto":
+        return precision
+    return "w4a8" if threshold > 0 and rows >= threshold else "w4a16"
