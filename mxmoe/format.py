@@ -94,7 +94,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=packed.device)
     values = lut[unpack_e2m1(packed).long()]
     values = values.reshape(*values.shape[:-1], -1, BLOCK_K)
-    scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=packed.device), scales_u8.to(torch.int32) - 127)
+    exp = scales_u8.to(torch.int32) - 127
+    scale = torch.ldexp(torch.ones(exp.shape, dtype=torch.float64, device=packed.device), exp)
     return (values * scale.unsqueeze(-1)).reshape(*packed.shape[:-1], -1).to(dtype)
 
 
