@@ -1,0 +1,102 @@
+"""In-register conversions shared by the kernels (Triton ``@jit`` helpers).
+
+E2M1 code c = sign(bit 3) | exponent e (bits 2..1) | mantissa m (bit 0). For e >= 1 the
+value is 2**(e-1) * (1 + m/2), for e = 0, m = 1 it is 0.5 = 2**-1 with no mantissa: in
+both cases the exponent is ``e - 1`` with the effective mantissa ``m * (e > 0)``. So an
+E2M1 value times ``2**d`` has biased exponent ``e + bias - 1 + d`` in any wider format,
+which lets us build BF16 or E4M3 bits directly, the block scale folded in exactly.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def unpack_nibbles(packed, BM: tl.constexpr, BK: tl.constexpr):
+    """uint8 [BM, BK/2] -> int32 codes [BM, BK], low nibble = even k."""
+    p = packed.to(tl.int32)
+    return tl.join(p & 15, p >> 4).reshape(BM, BK)
+
+
+@triton.jit
+def expand_blocks(v, BM: tl.constexpr, BK: tl.constexpr):
+    """Per-K32-block values [BM, BK/32] -> per element [BM, BK]."""
+    return tl.broadcast_to(v[:, :, None], (BM, BK // 32, 32)).reshape(BM, BK)
+
+
+@triton.jit
+def e2m1_to_bf16(codes, d):
+    """E2M1 codes times 2**d (int32, d <= 0) as exact BF16; underflow below BF16's normals -> 0."""
+    e = (codes >> 1) & 3
+    m = codes & (e > 0).to(tl.int32)
+    exp = e + 126 + d
+    bits = (exp << 7) | (m << 6)
+    bits = tl.where(((codes & 7) != 0) & (exp > 0), bits, 0) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_to_e4m3(codes, d):
+    """E2M1 codes times 2**d as exact E4M3 bits (uint8) for d in [-8, 6]; other d -> 0.
+
+    Exponents that fall below E4M3's normals become subnormals: mantissa (2 + m) << (exp + 1),
+    exact on [-8, 6] because the low mantissa bit is never shifted out there.
+    """
+    e = (codes >> 1) & 3
+    m = codes & (e > 0).to(tl.int32)
+    exp = e + 6 + d
+    normal = (exp << 3) | (m << 2)
+    sub = ((2 + m) << 1) >> tl.minimum(tl.maximum(-exp, 0), 3)  # exp in {0, -1, -2}: (2+m) << (exp+1)
+    bits = tl.where(exp > 0, normal, sub)
+    keep = ((codes & 7) != 0) & (d >= -8) & (d <= 6)
+    bits = tl.where(keep, bits, 0) | ((codes & 8) << 4)
+    return bits.to(tl.uint8)
+
+
+@triton.jit
+def pow2(exp):
+    """2.0**exp as FP32 for int32 exp in [-252, 254] (two normal factors, no exp2 approximation)."""
+    lo = tl.minimum(tl.maximum(exp, -126), 127)
+    hi = exp - lo  # in [-126, 127]
+    f_lo = ((lo + 127) << 23).to(tl.float32, bitcast=True)
+    f_hi = ((hi + 127) << 23).to(tl.float32, bitcast=True)
+    return f_lo * f_hi
+
+
+@triton.jit
+def fp32_to_e4m3_rne(v):
+    """FP32 -> E4M3 bits (uint8), round-to-nearest-even, saturating at 448.
+
+    Bit-exact plain-Triton twin of ``.to(tl.float8e4nv)`` (cvt.rn.satfinite), used where the
+    interpreter's conversion rounds wrongly.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    a = tl.minimum(tl.abs(v), 448.0)
+    abits = a.to(tl.uint32, bitcast=True)
+    # normal range (a >= 2**-6): keep 3 mantissa bits, RNE on the 20 dropped bits
+    keep = abits >> 20
+    rem = abits & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
+    normal = keep + up.to(tl.uint32) - (120 << 3)
+    # subnormal range: multiples of 2**-9, RNE through the float adder
+    q = (a * 512.0 + 12582912.0) - 12582912.0
+    sub = q.to(tl.uint32)
+    out = tl.where(a >= 0.015625, normal, sub)
+    return (out | sign).to(tl.uint8)
+
+
+@triton.jit
+def fp32_to_bf16_rne(v):
+    """FP32 -> BF16 round-to-nearest-even by integer ops (the interpreter's ``.to`` truncates)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def store_rounded(ptrs, v, mask, PURE: tl.constexpr):
+    """Store FP32 ``v`` in the pointers' dtype, rounding to nearest even also under the interpreter."""
+    if PURE and ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, fp32_to_bf16_rne(v), mask=mask)
+    else:
+        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)

@@ -1,0 +1,51 @@
+"""Row-wise kernels around the GEMMs: per-row E4M3 quantization and the top-k route sum."""
+import triton
+import triton.language as tl
+
+from .convert import fp32_to_e4m3_rne, store_rounded
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_ptr, K,
+                         CHECK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PURE: tl.constexpr):
+    """q[row] = RNE(x[row] / s) saturated to +-448 as E4M3, s = amax(|x[row]|) / 448 (0 for a zero row).
+
+    With ``CHECK_ROWS`` rows whose ``row_valid`` entry is negative (route-pack padding) are skipped.
+    """
+    row = tl.program_id(0)
+    if CHECK_ROWS:
+        if tl.load(row_valid_ptr + row) < 0:
+            return
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    q_row = q_ptr + row.to(tl.int64) * stride_q
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.max(amax, axis=0) / 448.0
+    safe = tl.where(scale > 0, scale, 1.0)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        v = tl.where(scale > 0, tl.math.div_rn(x, safe), 0.0)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        if PURE:
+            q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
+        else:
+            q = v.to(tl.float8e4nv)
+        tl.store(q_row + offs, q, mask=offs < K)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def topk_sum_kernel(y_ptr, route_slot_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr, PURE: tl.constexpr):
+    """out[t] = sum over k = 0..top_k-1 (in order, FP32) of y[t*top_k + k], masked routes skipped."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(top_k):
+        route = t * top_k + k
+        routed = tl.load(route_slot_ptr + route) >= 0
+        acc += tl.load(y_ptr + route * H + offs, mask=in_row & routed, other=0.0).to(tl.float32)
+    store_rounded(out_ptr + t * H + offs, acc, in_row, PURE)

@@ -1,0 +1,154 @@
+"""The MoE GEMM kernel template: GEMM1 + activation and GEMM2 + routing weight, W4A16 and W4A8.
+
+Computed as ``W · Aᵀ``: expert weight rows are the MMA's M dimension (converted in
+registers: operand A of wgmma), routed rows (tokens) the N dimension, so a decode tile can
+be 16 rows wide. One program computes ``BM`` weight rows for one route-pack tile of ``BT``
+slots. Weights are folded with ``2**(b - ref)`` per K32 block (exact, see ``convert``), and
+``2**(ref - 127)`` (times the activation row scale in W4A8) is applied per row in FP32 after
+the K loop. W4A8 rows whose block scales span more than one E4M3 window (15 binades) run one
+K pass per window; blocks outside the current window convert to zero, so nothing is clamped.
+"""
+import triton
+import triton.language as tl
+
+from .convert import e2m1_to_bf16, e2m1_to_e4m3, expand_blocks, pow2, store_rounded, unpack_nibbles
+
+
+@triton.jit
+def _load_weights(w_ptrs, s_ptrs, ref, win, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Load and convert one [BM, BK] weight tile, each K32 block folded with 2**(b - ref) (exact)."""
+    packed = tl.load(w_ptrs)
+    sc = tl.load(s_ptrs)
+    codes = unpack_nibbles(packed, BM, BK)
+    if FP8:
+        d = expand_blocks(sc.to(tl.int32) - ref[:, None] + 6 + 15 * win, BM, BK)
+        return e2m1_to_e4m3(codes, d).to(tl.float8e4nv, bitcast=True)
+    else:
+        d = expand_blocks(sc.to(tl.int32) - ref[:, None], BM, BK)
+        return e2m1_to_bf16(codes, d)
+
+
+@triton.jit
+def _mma(w, a, acc, PURE: tl.constexpr):
+    if PURE:  # the interpreter's bf16/fp8 dot is wrong: multiply exact FP32 copies instead
+        return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w, a, acc)
+
+
+@triton.jit
+def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u, win, K,
+            GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+            PURE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """acc_g (+ acc_u for the up rows ``up_off`` rows further) += W · A[a_row]ᵀ over K, one fold window."""
+    offs_k = tl.arange(0, BK)
+    offs_m = tl.arange(0, BM)
+    a_ptrs = a_ptr + a_row[None, :] * stride_a + offs_k[:, None]
+    w_ptrs = w_base + offs_m[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+    s_ptrs = s_base + offs_m[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+        w = _load_weights(w_ptrs, s_ptrs, ref_g, win, FP8, BM, BK)
+        acc_g = _mma(w, a, acc_g, PURE)
+        if GLU:
+            w = _load_weights(w_ptrs + up_off * (K // 2), s_ptrs + up_off * (K // 32), ref_u, win, FP8, BM, BK)
+            acc_u = _mma(w, a, acc_u, PURE)
+        a_ptrs += BK
+        w_ptrs += BK // 2
+        s_ptrs += BK // 32
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_base, up_off, K,
+               GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               PURE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """FP32 [BM, BT] tiles W[rows] · A[a_row]ᵀ (and the up rows' for GLU), every weight scale applied."""
+    offs_m = tl.arange(0, BM)
+    ref_g = tl.load(ref_base + offs_m)
+    ref_u = ref_g
+    if GLU:
+        ref_u = tl.load(ref_base + up_off + offs_m)
+    zeros = tl.zeros((BM, BT), dtype=tl.float32)
+    if FP8:
+        n_win = tl.max(tl.load(win_base + offs_m), axis=0)
+        if GLU:
+            n_win = tl.maximum(n_win, tl.max(tl.load(win_base + up_off + offs_m), axis=0))
+        out_g = zeros
+        out_u = zeros
+        for win in range(n_win):  # one pass unless a row's scales span > 15 binades
+            acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
+                                   win, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES)
+            out_g += acc_g * pow2(ref_g - 133 - 15 * win)[:, None]
+            out_u += acc_u * pow2(ref_u - 133 - 15 * win)[:, None]
+        return out_g, out_u
+    else:
+        acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
+                               0, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES)
+        return acc_g * pow2(ref_g - 127)[:, None], acc_u * pow2(ref_u - 127)[:, None]
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, a_scale_ptr, stride_a,
+    w_ptr, s_ptr, ref_ptr, win_ptr, gscale_ptr, bias_ptr,
+    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
+    out_ptr, stride_out, topk_weights_ptr,
+    N, K, top_k, limit, alpha,
+    GEMM1: tl.constexpr, SWIGLUOAI: tl.constexpr, FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_GSCALE: tl.constexpr,
+    BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    PURE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """GEMM1 (``GEMM1``): rows of x gathered by route, gate and up halves of W13, bias,
+    activation -> intermediate[slot, :N] (BF16, or FP32 for W4A8's row requantization).
+    GEMM2: intermediate[slot] · W2ᵀ, bias, routing weight -> y[route, :N] (BF16).
+    ``N`` is the output width (I for GEMM1, H for GEMM2); the weight has N rows (2N for GEMM1).
+    """
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    if pid_t >= tl.load(num_tiles_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
+    slots = pid_t * BT + tl.arange(0, BT)  # segments are padded to whole tiles
+    routes = tl.load(sorted_routes_ptr + slots)
+    row_ok = routes >= 0
+    if GEMM1:
+        a_row = tl.where(row_ok, routes // top_k, 0).to(tl.int64)
+        n_weight_rows = 2 * N
+    else:
+        a_row = slots.to(tl.int64)
+        n_weight_rows = N
+    w_e = w_ptr + expert * n_weight_rows * (K // 2)
+    s_e = s_ptr + expert * n_weight_rows * (K // 32)
+    ref_e = ref_ptr + expert * n_weight_rows
+    win_e = win_ptr + expert * n_weight_rows
+    n0 = pid_n * BM
+    offs_n = n0 + tl.arange(0, BM)
+    col_scale = tl.full((BT,), 1.0, tl.float32)
+    if FP8:
+        col_scale = tl.load(a_scale_ptr + a_row, mask=row_ok, other=0.0)
+    if HAS_GSCALE:
+        col_scale = col_scale * tl.load(gscale_ptr + expert)
+
+    g, u = _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e + n0 * (K // 2), s_e + n0 * (K // 32), ref_e + n0, win_e + n0,
+                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES)
+    y = g * col_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + expert * n_weight_rows + offs_n)[:, None]
+    if GEMM1:
+        up = u * col_scale[None, :]
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + expert * n_weight_rows + N + offs_n)[:, None]
+        gate = tl.minimum(y, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        if SWIGLUOAI:
+            y = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+        else:
+            y = gate * tl.sigmoid(gate) * up
+        out_rows = slots.to(tl.int64)
+    else:
+        y = y * tl.load(topk_weights_ptr + routes, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        out_rows = tl.where(row_ok, routes, 0).to(tl.int64)
+    out_ptrs = out_ptr + out_rows[None, :] * stride_out + offs_n[:, None]
+    store_rounded(out_ptrs, y, row_ok[None, :] & (offs_n < N)[:, None], PURE)

@@ -1,0 +1,209 @@
+"""Launch plan of the Triton path: workspace, tile configs, the kernel sequence.
+
+Run path (no allocation once the workspace exists, no host sync, capturable):
+route pack (2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 + activation ->
+[W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> top-k sum.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from ..prepare import PreparedExperts
+from ..routing import RoutePack, route_pack_capacity
+from .elementwise import quantize_rows_kernel, topk_sum_kernel
+from .gemm import moe_gemm_kernel
+from .routing_kernels import route_count_kernel, route_offsets_kernel, route_scatter_kernel
+
+TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
+ROUTE_BLOCK = 1024
+
+
+def pure_triton() -> bool:
+    """Interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_rows: int  # BT: route-pack tile height (MMA N)
+    block_m: int  # weight rows per program (MMA M)
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tile_rows_for(rows: int, num_experts: int) -> int:
+    """Route-pack tile height for ``rows`` routed rows: small tiles where experts see few rows."""
+    per_expert = rows / max(num_experts, 1)
+    for bt in TILE_ROWS:
+        if per_expert <= bt * 2:
+            return bt
+    return TILE_ROWS[-1]
+
+
+def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None) -> GemmConfig:
+    bt = tile_rows_for(rows, num_experts)
+    bm = 128 if bt >= 64 else 64
+    bk = 128 if not fp8 else 128
+    cfg = dict(block_rows=bt, block_m=bm, block_k=bk, num_warps=4 if bm == 64 else 8, num_stages=3)
+    cfg.update(override or {})
+    while n % cfg["block_m"]:
+        cfg["block_m"] //= 2
+    while k % cfg["block_k"]:
+        cfg["block_k"] //= 2
+    return GemmConfig(**cfg)
+
+
+class Workspace:
+    """Device scratch for :func:`mxmoe.fused_moe`, sized once from (max tokens, top_k, E, H, I).
+
+    Create it before CUDA-graph capture and pass it as ``workspace=``; calls with more
+    tokens or a larger top_k than it was sized for raise ``ValueError``.
+    """
+
+    def __init__(self, experts: PreparedExperts, max_tokens: int, top_k: int, *, fp8: bool = True, device=None):
+        if max_tokens < 1 or top_k < 1:
+            raise ValueError("max_tokens and top_k must be >= 1")
+        device = torch.device(device) if device is not None else experts.device
+        E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        R = max_tokens * top_k
+        caps = [route_pack_capacity(R, E, bt) for bt in TILE_ROWS]
+        max_rows = max(c[0] for c in caps)
+        max_tiles = max(c[1] for c in caps)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.max_tokens, self.top_k, self.fp8 = max_tokens, top_k, fp8
+        self.shape = (E, H, I)
+        self.counts = torch.zeros(E, **i32)
+        self.route_expert = torch.empty(R, **i32)
+        self.route_rank = torch.empty(R, **i32)
+        self.route_slot = torch.empty(R, **i32)
+        self.sorted_routes = torch.empty(max_rows, **i32)
+        self.offsets = torch.empty(E + 1, **i32)
+        self.tile_expert = torch.empty(max_tiles, **i32)
+        self.tile_start = torch.empty(max_tiles, **i32)
+        self.num_tiles = torch.empty(1, **i32)
+        # W4A16 keeps the intermediate in BF16; W4A8 in FP32 until its per-row requantization
+        self.intermediate = torch.empty(max_rows * I * (4 if fp8 else 2), dtype=torch.uint8, device=device)
+        self.routed_out = torch.empty(R, H, dtype=torch.bfloat16, device=device)
+        if fp8:
+            self.x_q = torch.empty(max_tokens, H, dtype=torch.float8_e4m3fn, device=device)
+            self.x_scale = torch.empty(max_tokens, dtype=torch.float32, device=device)
+            self.inter_q = torch.empty(max_rows, I, dtype=torch.float8_e4m3fn, device=device)
+            self.inter_scale = torch.empty(max_rows, dtype=torch.float32, device=device)
+
+    def fits(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> bool:
+        return (self.shape == (experts.num_experts, experts.hidden_size, experts.intermediate_size)
+                and tokens <= self.max_tokens and top_k <= self.top_k and (self.fp8 or not fp8)
+                and self.counts.device == experts.device)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.__dict__.values() if isinstance(t, torch.Tensor))
+
+    def route_pack(self, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int, num_experts: int) -> RoutePack:
+        """Launch the route-pack kernels into this workspace; returns views of the pack."""
+        R = topk_ids.numel()
+        max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
+        self.counts.zero_()
+        sorted_routes = self.sorted_routes[:max_rows].fill_(-1)
+        grid = (triton.cdiv(R, ROUTE_BLOCK),)
+        n_global = num_experts if expert_map is None else expert_map.numel()
+        route_count_kernel[grid](topk_ids, expert_map if expert_map is not None else self.counts, self.counts,
+                                 self.route_expert, self.route_rank, R, num_experts, n_global,
+                                 HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK)
+        route_offsets_kernel[(1,)](self.counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
+                                   num_experts, max_tiles, BT=block_rows,
+                                   E_BLOCK=triton.next_power_of_2(num_experts), T_BLOCK=64)
+        route_scatter_kernel[grid](self.route_expert, self.route_rank, self.offsets, self.route_slot, sorted_routes,
+                                   R, BLOCK=ROUTE_BLOCK)
+        return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
+                         expert_counts=self.counts, segment_offsets=self.offsets,
+                         tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],
+                         num_tiles=self.num_tiles)
+
+
+_cached: dict = {}
+
+
+def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
+    """A cached workspace per device and shape, grown (outside capture) when a call needs more."""
+    key = (str(experts.device), experts.num_experts, experts.hidden_size, experts.intermediate_size)
+    ws = _cached.get(key)
+    if ws is not None and ws.fits(experts, tokens, top_k, fp8):
+        return ws
+    if experts.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError("workspace: no workspace large enough for this call during CUDA-graph capture; "
+                         "pass workspace=mxmoe.Workspace(experts, max_tokens, top_k) or run eagerly first")
+    max_tokens = max(tokens, ws.max_tokens if ws else 0)
+    _cached[key] = ws = Workspace(experts, max_tokens, max(top_k, ws.top_k if ws else 0), fp8=fp8 or bool(ws and ws.fp8))
+    return ws
+
+
+def _gemm(a, a_scale, w, w_scale, w_ref, w_win, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
+          gemm1, swigluoai, fp8, cfg: GemmConfig):
+    grid = (n // cfg.block_m, pack.tile_expert.numel())
+    moe_gemm_kernel[grid](
+        a, a_scale if a_scale is not None else w_ref, a.stride(0),
+        w, w_scale, w_ref, w_win, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
+        pack.sorted_routes, pack.tile_expert, pack.num_tiles,
+        out, out.stride(0), topk_weights,
+        n, k, top_k, limit, alpha,
+        GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
+        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=pure_triton(), NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+
+
+def _quantize_rows(x, q, scale, row_valid=None):
+    K = x.shape[1]
+    quantize_rows_kernel[(x.shape[0],)](x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale,
+                                        K, CHECK_ROWS=row_valid is not None,
+                                        BLOCK_K=min(triton.next_power_of_2(K), 2048), PURE=pure_triton(), num_warps=4)
+
+
+def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
+                  out, workspace: Optional[Workspace], config_override: Optional[dict] = None):
+    """The Triton path of :func:`mxmoe.fused_moe` (arguments already validated)."""
+    T, top_k = topk_ids.shape
+    if out is None:
+        out = torch.empty_like(x)
+    if T == 0:
+        return out
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    fp8 = precision == "w4a8"
+    if workspace is None:
+        workspace = workspace_for(experts, T, top_k, fp8)
+    elif not workspace.fits(experts, T, top_k, fp8):
+        raise ValueError(f"workspace is too small or for other shapes (sized for {workspace.max_tokens} tokens, "
+                         f"top_k {workspace.top_k}, fp8={workspace.fp8}; this call: {T} tokens, top_k {top_k}, fp8={fp8})")
+    R = T * top_k
+    cfg1 = gemm_config(R, E, I, H, fp8, config_override)
+    cfg2 = gemm_config(R, E, H, I, fp8, config_override)
+    pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
+    max_rows = pack.sorted_routes.numel()
+    swigluoai = activation == "swigluoai"
+    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8)
+    if fp8:
+        x_q, x_scale = workspace.x_q[:T], workspace.x_scale[:T]
+        _quantize_rows(x, x_q, x_scale)
+        inter = workspace.intermediate[: max_rows * I * 4].view(torch.float32).view(max_rows, I)
+        _gemm(x_q, x_scale, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_windows, experts.w13_global_scale,
+              experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
+        a2, a2_scale = workspace.inter_q[:max_rows], workspace.inter_scale[:max_rows]
+        _quantize_rows(inter, a2, a2_scale, row_valid=pack.sorted_routes)
+    else:
+        inter = workspace.intermediate[: max_rows * I * 2].view(torch.bfloat16).view(max_rows, I)
+        _gemm(x, None, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_windows, experts.w13_global_scale,
+              experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
+        a2, a2_scale = inter, None
+    routed = workspace.routed_out[:R]
+    _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_windows, experts.w2_global_scale,
+          experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
+    block_h = min(triton.next_power_of_2(H), 1024)
+    topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot, out, H, top_k, BLOCK_H=block_h,
+                                                         PURE=pure_triton(), num_warps=4)
+    return out

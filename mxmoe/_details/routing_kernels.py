@@ -1,0 +1,64 @@
+"""Route pack on the device: three small Triton kernels, no host synchronization.
+
+1. ``count``: each route's local expert (masking, ``expert_map``); its rank inside the
+   expert claimed with an integer atomic (counts must be zero on entry).
+2. ``offsets`` (one program): padded segment offsets, the tile list and the tile count.
+3. ``scatter``: ``route_slot`` and ``sorted_routes`` (padding slots hold the sentinel,
+   pre-filled by the caller).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, route_expert_ptr, route_rank_ptr,
+                       num_routes, num_experts, num_global,
+                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_routes
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int64)
+    valid = (ids >= 0) & (ids < num_global) & in_range
+    local = tl.where(valid, ids, 0)
+    if HAS_MAP:
+        local = tl.load(expert_map_ptr + local, mask=valid, other=-1).to(tl.int64)
+    valid &= (local >= 0) & (local < num_experts)
+    local = tl.where(valid, local, -1)
+    rank = tl.atomic_add(counts_ptr + tl.where(valid, local, 0), tl.full((BLOCK,), 1, tl.int32), mask=valid)
+    tl.store(route_expert_ptr + offs, local.to(tl.int32), mask=in_range)
+    tl.store(route_rank_ptr + offs, rank, mask=valid)
+
+
+@triton.jit
+def route_offsets_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr,
+                         num_experts, max_tiles,
+                         BT: tl.constexpr, E_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr):
+    e = tl.arange(0, E_BLOCK)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    tiles = (counts + BT - 1) // BT
+    tile_end = tl.cumsum(tiles, axis=0)  # inclusive
+    seg_end = tile_end * BT
+    tl.store(offsets_ptr + 1 + e, seg_end, mask=e < num_experts)
+    tl.store(offsets_ptr + e, 0, mask=e == 0)
+    n_tiles = tl.sum(tiles, axis=0)
+    tl.store(num_tiles_ptr, n_tiles)
+    for t0 in range(0, max_tiles, T_BLOCK):
+        t = t0 + tl.arange(0, T_BLOCK)
+        # expert of tile t = number of experts whose tiles all end at or before t
+        expert = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        listed = t < n_tiles
+        tl.store(tile_expert_ptr + t, tl.where(listed, expert, -1), mask=t < max_tiles)
+        # segments are padded to whole tiles, so tile t starts at slot t * BT
+        tl.store(tile_start_ptr + t, tl.where(listed, t * BT, 0), mask=t < max_tiles)
+
+
+@triton.jit
+def route_scatter_kernel(route_expert_ptr, route_rank_ptr, offsets_ptr, route_slot_ptr, sorted_routes_ptr,
+                         num_routes, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_routes
+    local = tl.load(route_expert_ptr + offs, mask=in_range, other=-1)
+    valid = local >= 0
+    rank = tl.load(route_rank_ptr + offs, mask=valid, other=0)
+    slot = tl.load(offsets_ptr + local, mask=valid, other=0) + rank
+    tl.store(route_slot_ptr + offs, tl.where(valid, slot, -1), mask=in_range)
+    tl.store(sorted_routes_ptr + slot, offs, mask=valid)
