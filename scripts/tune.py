@@ -1,0 +1,71 @@
+"""Device tuning sweep (developer tool): time GEMM tile configs of both paths on the reference shape.
+
+    python3 scripts/tune.py [--tokens 1,64,1024,8192] [--quick]
+
+Prints one row per (T, precision, config): median CUDA-event ms over 30 samples, and the
+default config's time; full numbers go to $OUT/tune.json when OUT is set.
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+import mxmoe
+from mxmoe._details import launch
+
+
+def timed(fn, n=30):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,64,1024,2048,8192")
+    ap.add_argument("--shape", default="288,4096,1024,8")
+    ap.add_argument("--configs", default="", help="JSON list of override dicts")
+    args = ap.parse_args()
+    E, H, I, top_k = map(int, args.shape.split(","))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device="cuda")
+    s13 = torch.randint(118, 123, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device="cuda")
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device="cuda")
+    s2 = torch.randint(118, 123, (E, H, I // 32), generator=g, dtype=torch.uint8, device="cuda")
+    ex = mxmoe.prepare_weights(w13, s13, w2, s2)
+    configs = json.loads(args.configs) if args.configs else [None]
+    rows = []
+    for T in map(int, args.tokens.split(",")):
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        ids = torch.randint(0, E, (T, top_k), device="cuda", dtype=torch.int32)
+        w = torch.rand(T, top_k, device="cuda")
+        ws = mxmoe.Workspace(ex, T, top_k)
+        out = torch.empty_like(x)
+        for prec in ("w4a16", "w4a8"):
+            for cfg in configs:
+                def run():
+                    launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, cfg)
+                try:
+                    ms = timed(run)
+                except Exception as e:  # report, keep sweeping
+                    ms = float("nan")
+                    print("error", T, prec, cfg, str(e)[:300])
+                flops = T * top_k * 6 * H * I
+                rows.append(dict(T=T, precision=prec, config=cfg, ms=ms, tflops=flops / ms / 1e9))
+                print(f"T={T:6d} {prec:6s} {str(cfg):60s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+    if os.environ.get("OUT"):
+        json.dump(rows, open(os.path.join(os.environ["OUT"], "tune.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""GPU tests of the Triton path (skipped without CUDA): numerics, edge cases, serving contract.
+
+Run on the device: ``python3 -m pytest -q tests/test_gpu_moe.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mxmoe
+from mxmoe import fused_moe, fused_moe_reference, relative_l2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SHAPES = {
+    "ref": (288, 4096, 1024, 8),
+    "ktail": (128, 2880, 2880, 4),
+}
+_experts_cache: dict = {}
+
+
+def gpu_experts(E, H, I, *, seed=0, biases=False, scale_lo=120, scale_hi=124, zero_scale_rows=False, wide_span=False):
+    key = (E, H, I, seed, biases, scale_lo, scale_hi, zero_scale_rows, wide_span)
+    if key in _experts_cache:
+        return _experts_cache[key]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device=dev)
+    s13 = torch.randint(scale_lo, scale_hi + 1, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device=dev)
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device=dev)
+    s2 = torch.randint(scale_lo, scale_hi + 1, (E, H, I // 32), generator=g, dtype=torch.uint8, device=dev)
+    if zero_scale_rows:  # a few whole rows and scattered blocks at byte 0 (2**-127)
+        s13[:, ::7, :] = 0
+        s2[:, :, ::5] = 0
+    if wide_span:  # each row's blocks span 30 binades: byte 127 + {0, -10, -20, -30} by block
+        offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device=dev)
+        s13 = (126 + offs[torch.arange(H // 32, device=dev) % 4]).to(torch.uint8).expand(E, 2 * I, H // 32).contiguous()
+        s2 = (126 + offs[torch.arange(I // 32, device=dev) % 4]).to(torch.uint8).expand(E, H, I // 32).contiguous()
+    kw = {}
+    if biases:
+        kw = dict(b13=torch.randn(E, 2 * I, generator=g, device=dev), b2=torch.randn(E, H, generator=g, device=dev))
+    ex = mxmoe.prepare_weights(w13, s13, w2, s2, **kw)
+    _experts_cache.clear()  # keep one model resident
+    _experts_cache[key] = ex
+    return ex
+
+
+def routing(T, top_k, E, *, kind="uniform", seed=1, ids_dtype=torch.int32):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if kind == "hot":  # half the routes to expert 3, experts >= E/2 empty
+        ids = torch.randint(0, E // 2, (T, top_k), generator=g, device="cuda")
+        ids[:, 0] = 3
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:top_k] for _ in range(T)]) if T <= 64 else \
+            torch.randint(0, E, (T, top_k), generator=g, device="cuda")
+    if kind == "masked":  # some routes out of range / negative, one token fully masked
+        m = torch.rand(T, top_k, generator=g, device="cuda") < 0.25
+        ids = torch.where(m, torch.where(torch.rand(T, top_k, generator=g, device="cuda") < 0.5, -1, E + 5), ids)
+        ids[T // 2] = -1
+    w = torch.rand(T, top_k, generator=g, device="cuda") + 0.1
+    return ids.to(ids_dtype).contiguous(), w.contiguous()
+
+
+def check(ex, x, ids, w, precision, activation="silu", expert_map=None, **kw):
+    out = torch.full_like(x, float("nan"))
+    res, ran = fused_moe(x, ex, w, ids, precision=precision, activation=activation, expert_map=expert_map, out=out,
+                         return_precision=True, **kw)
+    assert res is out and ran == precision
+    assert torch.isfinite(out.float()).all(), "unwritten (NaN) or non-finite output"
+    exact = fused_moe_reference(x, ex, w, ids, activation=activation, expert_map=expert_map, mode="exact", **kw)
+    err_exact = relative_l2(out, exact)
+    if precision == "w4a16":
+        assert err_exact <= 5e-3, err_exact
+    else:
+        emu = fused_moe_reference(x, ex, w, ids, activation=activation, expert_map=expert_map, mode="w4a8", **kw)
+        err_emu = relative_l2(out, emu)
+        assert err_emu <= 5e-3, err_emu
+        assert err_exact <= 5e-2, err_exact
+    return out
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 7, 64, 1000, 8192])
+def test_shapes_and_tokens(shape, T, precision):
+    E, H, I, top_k = SHAPES[shape]
+    ex = gpu_experts(E, H, I)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    ids, w = routing(T, top_k, E, seed=T)
+    check(ex, x, ids, w, precision)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("kind,ids_dtype", [("hot", torch.int32), ("masked", torch.int32), ("masked", torch.int64),
+                                            ("uniform", torch.int64)])
+def test_routing_edges(kind, ids_dtype, precision):
+    E, H, I, top_k = 128, 2880, 2880, 4
+    ex = gpu_experts(E, H, I)
+    x = torch.randn(300, H, device="cuda").bfloat16()
+    ids, w = routing(300, top_k, E, kind=kind, ids_dtype=ids_dtype)
+    out = check(ex, x, ids, w, precision)
+    if kind == "masked":
+        assert (out[150] == 0).all()  # the fully masked token
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("activation,kw", [("silu", {}), ("silu", {"swiglu_limit": 7.0}), ("swigluoai", {})])
+def test_biases_activations(activation, kw, precision):
+    ex = gpu_experts(64, 1024, 512, biases=True)
+    x = torch.randn(200, 1024, device="cuda").bfloat16()
+    ids, w = routing(200, 4, 64)
+    check(ex, x, ids, w, precision, activation=activation, **kw)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+def test_expert_map(precision):
+    E_global, E_local = 64, 16
+    ex = gpu_experts(E_local, 1024, 512)
+    emap = torch.full((E_global,), -1, dtype=torch.int32, device="cuda")
+    emap[16:32] = torch.arange(16, dtype=torch.int32, device="cuda")
+    x = torch.randn(100, 1024, device="cuda").bfloat16()
+    ids, w = routing(100, 6, E_global)
+    check(ex, x, ids, w, precision, expert_map=emap)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("pattern", ["zero_scale_rows", "wide_span"])
+def test_scale_extremes(pattern, precision):
+    ex = gpu_experts(32, 1024, 512, **{pattern: True})
+    if pattern == "wide_span":
+        assert ex.max_windows >= 3
+    x = torch.randn(128, 1024, device="cuda").bfloat16()
+    ids, w = routing(128, 4, 32)
+    check(ex, x, ids, w, precision)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+def test_zero_token_rows(precision):
+    ex = gpu_experts(32, 1024, 512)
+    x = torch.randn(64, 1024, device="cuda").bfloat16()
+    x[::3] = 0
+    ids, w = routing(64, 4, 32)
+    check(ex, x, ids, w, precision)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+def test_deterministic(precision):
+    E, H, I, top_k = SHAPES["ref"]
+    ex = gpu_experts(E, H, I)
+    x = torch.randn(2048, H, device="cuda").bfloat16()
+    ids, w = routing(2048, top_k, E, kind="hot")
+    first = fused_moe(x, ex, w, ids, precision=precision)
+    for _ in range(4):
+        assert torch.equal(fused_moe(x, ex, w, ids, precision=precision), first)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64])
+def test_graph_replay_bitwise(T):
+    E, H, I, top_k = SHAPES["ref"]
+    ex = gpu_experts(E, H, I)
+    ws = mxmoe.Workspace(ex, max_tokens=64, top_k=top_k)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    ids, w = routing(T, top_k, E, seed=T + 5)
+    out = torch.empty_like(x)
+    eager = fused_moe(x, ex, w, ids, out=torch.empty_like(x), workspace=ws).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, ex, w, ids, out=out, workspace=ws)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, ran = fused_moe(x, ex, w, ids, out=out, workspace=ws, precision="w4a8", return_precision=True)
+    assert ran == "w4a16"  # capture always runs W4A16
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    # new inputs copied into the captured buffers give the eager result for them
+    x2 = torch.randn_like(x)
+    ids2, w2 = routing(T, top_k, E, seed=T + 99)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_moe(x2, ex, w2, ids2, workspace=ws))
