@@ -69,6 +69,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # smallest e with amax / 2**e <= 6; frexp gives amax/6 = m * 2**p with m in [0.5, 1)
     mant, p = torch.frexp(amax / E2M1_MAX)
     exp = torch.where(mant == 0.5, p - 1, p)  # exact powers of two need no headroom
+    # amax > 0 but amax/6 underflowed to 0 (amax of a few float32 subnormal ulps): smallest scale
+    exp = torch.where(mant == 0, torch.full_like(exp, -127), exp)
     exp = torch.where(amax > 0, exp, torch.zeros_like(exp)).clamp(-127, 127)
     # amax/6 may round up in float32; recheck so the scale never clips
     exp = torch.where(amax / torch.ldexp(torch.ones_like(amax), exp) > E2M1_MAX, exp + 1, exp).clamp(-127, 127)

@@ -48,9 +48,10 @@ def tile_rows_for(rows: int, num_experts: int) -> int:
 
 def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None) -> GemmConfig:
     bt = tile_rows_for(rows, num_experts)
-    bm = 128 if bt >= 64 else 64
-    bk = 128 if not fp8 else 128
-    cfg = dict(block_rows=bt, block_m=bm, block_k=bk, num_warps=4 if bm == 64 else 8, num_stages=3)
+    if bt >= 64:
+        cfg = dict(block_rows=bt, block_m=128, block_k=64, num_warps=8, num_stages=3)
+    else:
+        cfg = dict(block_rows=bt, block_m=64, block_k=128, num_warps=4, num_stages=3)
     cfg.update(override or {})
     while n % cfg["block_m"]:
         cfg["block_m"] //= 2
