@@ -29,9 +29,13 @@ def _load_weights(w_ptrs, s_ptrs, ref, win, FP8: tl.constexpr, BM: tl.constexpr,
 
 
 @triton.jit
-def _mma(w, a, acc, PURE: tl.constexpr):
+def _mma(w, a, acc, PURE: tl.constexpr, FP8_PROMOTE: tl.constexpr):
     if PURE:  # the interpreter's bf16/fp8 dot is wrong: multiply exact FP32 copies instead
         return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+    elif w.dtype == tl.float8e4nv:
+        # Hopper's FP8 MMA accumulates in reduced precision: each dot's partial sum is added
+        # into the FP32 accumulator (FP8_PROMOTE = BK; smaller values break 3.6's pipeliner)
+        return tl.dot(w, a, acc, max_num_imprecise_acc=FP8_PROMOTE)
     else:
         return tl.dot(w, a, acc)
 
@@ -39,7 +43,7 @@ def _mma(w, a, acc, PURE: tl.constexpr):
 @triton.jit
 def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u, win, K,
             GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-            PURE: tl.constexpr, NUM_STAGES: tl.constexpr):
+            PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr):
     """acc_g (+ acc_u for the up rows ``up_off`` rows further) += W · A[a_row]ᵀ over K, one fold window."""
     offs_k = tl.arange(0, BK)
     offs_m = tl.arange(0, BM)
@@ -49,10 +53,10 @@ def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
         w = _load_weights(w_ptrs, s_ptrs, ref_g, win, FP8, BM, BK)
-        acc_g = _mma(w, a, acc_g, PURE)
+        acc_g = _mma(w, a, acc_g, PURE, FP8_PROMOTE)
         if GLU:
             w = _load_weights(w_ptrs + up_off * (K // 2), s_ptrs + up_off * (K // 32), ref_u, win, FP8, BM, BK)
-            acc_u = _mma(w, a, acc_u, PURE)
+            acc_u = _mma(w, a, acc_u, PURE, FP8_PROMOTE)
         a_ptrs += BK
         w_ptrs += BK // 2
         s_ptrs += BK // 32
@@ -62,7 +66,7 @@ def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off
 @triton.jit
 def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_base, up_off, K,
                GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               PURE: tl.constexpr, NUM_STAGES: tl.constexpr):
+               PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr):
     """FP32 [BM, BT] tiles W[rows] · A[a_row]ᵀ (and the up rows' for GLU), every weight scale applied."""
     offs_m = tl.arange(0, BM)
     ref_g = tl.load(ref_base + offs_m)
@@ -78,13 +82,13 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_bas
         out_u = zeros
         for win in range(n_win):  # one pass unless a row's scales span > 15 binades
             acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
-                                   win, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES)
+                                   win, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE)
             out_g += acc_g * pow2(ref_g - 133 - 15 * win)[:, None]
             out_u += acc_u * pow2(ref_u - 133 - 15 * win)[:, None]
         return out_g, out_u
     else:
         acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
-                               0, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES)
+                               0, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE)
         return acc_g * pow2(ref_g - 127)[:, None], acc_u * pow2(ref_u - 127)[:, None]
 
 
@@ -98,7 +102,7 @@ def moe_gemm_kernel(
     GEMM1: tl.constexpr, SWIGLUOAI: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GSCALE: tl.constexpr,
     BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    PURE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr,
 ):
     """GEMM1 (``GEMM1``): rows of x gathered by route, gate and up halves of W13, bias,
     activation -> intermediate[slot, :N] (BF16, or FP32 for W4A8's row requantization).
@@ -132,7 +136,7 @@ def moe_gemm_kernel(
         col_scale = col_scale * tl.load(gscale_ptr + expert)
 
     g, u = _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e + n0 * (K // 2), s_e + n0 * (K // 32), ref_e + n0, win_e + n0,
-                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES)
+                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE)
     y = g * col_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert * n_weight_rows + offs_n)[:, None]

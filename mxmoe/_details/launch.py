@@ -35,6 +35,7 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    fp8_promote: bool = True  # add each FP8 MMA's partial sum into an FP32 accumulator (False: measurement only)
 
 
 def tile_rows_for(rows: int, num_experts: int) -> int:
@@ -155,6 +156,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, w_win, gscale, bias, pack, out, topk_we
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
         BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=pure_triton(), NUM_STAGES=cfg.num_stages,
+        FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else 2 ** 30,
         num_warps=cfg.num_warps,
     )
 

@@ -1,0 +1,72 @@
+"""Compile the GEMM kernels for sm_90a without a GPU and read back registers, spills and MMA ops.
+
+Used by the CPU test that guards the kernels (wgmma/QGMMA present, no spills) and for
+tuning by inspection. Pointer and integer arguments get the divisibility-by-16
+specialization the JIT gives them at run time (all shapes here are multiples of 32), so
+the pipeliner sees what it sees on the device.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .gemm import moe_gemm_kernel
+from .launch import GemmConfig
+
+_INT_ARGS_DIVISIBLE = ("stride_a", "stride_out", "N", "K")
+
+
+@dataclass
+class KernelReport:
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    mma_ops: list
+    async_copies: int
+    ttgir: str
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False):
+    """``triton.compile`` the GEMM template for sm_90a with the given constexprs."""
+    a_ty = "*fp8e4nv" if fp8 else "*bf16"
+    out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
+    sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32", win_ptr="*i32",
+               gscale_ptr="*fp32", bias_ptr="*fp32", sorted_routes_ptr="*i32", tile_expert_ptr="*i32",
+               num_tiles_ptr="*i32", out_ptr=out_ty, stride_out="i32", topk_weights_ptr="*fp32",
+               N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
+    const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
+                 BT=cfg.block_rows, BK=cfg.block_k, PURE=False, NUM_STAGES=cfg.num_stages,
+                 FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else 2 ** 30)
+    names = list(moe_gemm_kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
+    sig.update({c: "constexpr" for c in const})
+    src = ASTSource(moe_gemm_kernel, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+
+
+def report(kernel) -> KernelReport:
+    """Registers and spills from ``ptxas -v``, MMA instructions from ``nvdisasm``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
+                             check=True).stderr
+        sass = subprocess.run([_tool("nvdisasm"), cubin], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    mma = sorted(set(re.findall(r"\b[HQ]GMMA\.\S+|\bHMMA\.\S+", sass)))
+    ttgir = kernel.asm["ttgir"]
+    return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir)
