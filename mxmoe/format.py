@@ -61,11 +61,13 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError("w must be a floating-point torch.Tensor")
     if w.dim() < 2 or w.shape[-1] % BLOCK_K:
         raise ValueError(f"w must be [..., N, K] with K a multiple of {BLOCK_K}, got shape {tuple(w.shape)}")
-    wf = w.float()
+    wf = w.double() if w.dtype == torch.float64 else w.float()  # float64 stays float64: no double rounding
     if not bool(torch.isfinite(wf).all()):
         raise ValueError("w contains NaN or Inf")
     blocks = wf.reshape(*wf.shape[:-1], wf.shape[-1] // BLOCK_K, BLOCK_K)
     amax = blocks.abs().amax(dim=-1)
+    if bool((amax > E2M1_MAX * 2.0 ** 127).any()):
+        raise ValueError("w has values beyond the E2M1-K32 range (6 * 2**127)")
     # smallest e with amax / 2**e <= 6; frexp gives amax/6 = m * 2**p with m in [0.5, 1)
     mant, p = torch.frexp(amax / E2M1_MAX)
     exp = torch.where(mant == 0.5, p - 1, p)  # exact powers of two need no headroom

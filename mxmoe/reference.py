@@ -117,7 +117,7 @@ def fused_moe_reference(
     if mode == "w4a16":
         xf = x.to(torch.bfloat16).float()
     elif mode == "w4a8":
-        xf = x.float()  # each token quantized once, shared by its routes
+        xf = fp8_roundtrip(x.float())  # each token quantized once, shared by its routes
     routed = torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device)
     with _no_tf32():
         for e in torch.unique(local[local >= 0]).tolist():

@@ -58,6 +58,8 @@ class RoutePack:
 
 def route_pack(topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert_map: Optional[torch.Tensor] = None) -> RoutePack:
     """Build the route pack with PyTorch ops (reference; routes in flat order inside an expert)."""
+    if block_rows < 1 or num_experts < 1:
+        raise ValueError(f"route_pack needs block_rows >= 1 and num_experts >= 1, got {block_rows} and {num_experts}")
     device = topk_ids.device
     local = local_expert_ids(topk_ids, num_experts, expert_map).reshape(-1).long()
     R = local.numel()

@@ -156,7 +156,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, w_win, gscale, bias, pack, out, topk_we
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
         BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=pure_triton(), NUM_STAGES=cfg.num_stages,
-        FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else 2 ** 30,
+        FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else None,
         num_warps=cfg.num_warps,
     )
 

@@ -1,0 +1,230 @@
+"""prepare_weights / unprepare_weights / PreparedExperts (SPEC §2 prepared representation)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mxmoe import PreparedExperts, prepare_weights, unprepare_weights
+
+E, H, I = 3, 64, 64
+LAYOUTS = ["gate_up", "up_gate", "interleaved"]
+
+
+def to_layout(gate: torch.Tensor, up: torch.Tensor, layout: str) -> torch.Tensor:
+    """Build a source w13-shaped tensor (dim 1 = rows) from its gate and up halves."""
+    if layout == "gate_up":
+        return torch.cat((gate, up), dim=1)
+    if layout == "up_gate":
+        return torch.cat((up, gate), dim=1)
+    out = torch.empty((gate.shape[0], 2 * gate.shape[1], *gate.shape[2:]), dtype=gate.dtype)
+    out[:, 0::2], out[:, 1::2] = gate, up
+    return out
+
+
+def source_in_layout(layout: str, seed: int = 0, biases: bool = True):
+    """Random source tensors in ``layout`` plus the gate/up halves they were built from."""
+    g = torch.Generator().manual_seed(seed)
+    halves = dict(
+        w=(torch.randint(0, 256, (E, I, H // 2), generator=g, dtype=torch.uint8),
+           torch.randint(0, 256, (E, I, H // 2), generator=g, dtype=torch.uint8)),
+        s=(torch.randint(100, 150, (E, I, H // 32), generator=g, dtype=torch.uint8),
+           torch.randint(100, 150, (E, I, H // 32), generator=g, dtype=torch.uint8)),
+        b=(torch.randn(E, I, generator=g), torch.randn(E, I, generator=g)),
+    )
+    src = dict(
+        w13=to_layout(*halves["w"], layout), w13_scale=to_layout(*halves["s"], layout),
+        w2=torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8),
+        w2_scale=torch.randint(100, 150, (E, H, I // 32), generator=g, dtype=torch.uint8),
+    )
+    if biases:
+        src["b13"] = to_layout(*halves["b"], layout)
+        src["b2"] = torch.randn(E, H, generator=g)
+    return src, halves
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype.itemsize == 1:
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    else:
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float8_e8m0fnu])
+@pytest.mark.parametrize("biases", [False, True])
+def test_unprepare_round_trips_bit_exact(layout, scale_dtype, biases):
+    src, _ = source_in_layout(layout, seed=1, biases=biases)
+    src["w13_scale"] = src["w13_scale"].view(scale_dtype)
+    src["w2_scale"] = src["w2_scale"].view(scale_dtype)
+    experts = prepare_weights(**src, w13_layout=layout)
+    back = unprepare_weights(experts)
+    assert back["w13_layout"] == layout
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert_bits_equal(back[name], src[name])
+    if biases:
+        assert torch.equal(back["b13"], src["b13"])
+        assert torch.equal(back["b2"], src["b2"])
+    else:
+        assert "b13" not in back and "b2" not in back
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prepared_w13_is_gate_then_up(layout, decode_f64):
+    src, halves = source_in_layout(layout, seed=2)
+    experts = prepare_weights(**src, w13_layout=layout)
+    gate_w, up_w = halves["w"]
+    gate_s, up_s = halves["s"]
+    assert torch.equal(experts.w13, torch.cat((gate_w, up_w), dim=1))
+    assert torch.equal(experts.w13_scale.view(torch.uint8), torch.cat((gate_s, up_s), dim=1))
+    assert torch.equal(experts.b13, torch.cat(halves["b"], dim=1))
+    # decoded values: prepared rows [0, I) are the source's gate rows, [I, 2I) its up rows
+    decoded = decode_f64(experts.w13, experts.w13_scale)
+    source = decode_f64(src["w13"], src["w13_scale"])
+    assert torch.equal(decoded[:, :I], decode_f64(gate_w, gate_s))
+    assert torch.equal(decoded[:, I:], decode_f64(up_w, up_s))
+    if layout == "interleaved":
+        assert torch.equal(decoded[:, :I], source[:, 0::2]) and torch.equal(decoded[:, I:], source[:, 1::2])
+    elif layout == "up_gate":
+        assert torch.equal(decoded[:, :I], source[:, I:]) and torch.equal(decoded[:, I:], source[:, :I])
+    # w2 is untouched
+    assert torch.equal(experts.w2, src["w2"]) and torch.equal(experts.w2_scale, src["w2_scale"])
+
+
+def test_prepared_properties_and_global_scales():
+    src, _ = source_in_layout("gate_up", seed=3)
+    g13, g2 = torch.rand(E) + 0.5, torch.rand(E) + 0.5
+    experts = prepare_weights(**src, w13_global_scale=g13, w2_global_scale=g2)
+    assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == (E, H, I)
+    assert experts.device == torch.device("cpu")
+    assert torch.equal(experts.w13_global_scale, g13) and torch.equal(experts.w2_global_scale, g2)
+    moved = experts.to("cpu")
+    assert isinstance(moved, PreparedExperts) and torch.equal(moved.w13, experts.w13)
+    assert moved.source_layout == "gate_up"
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_memory_reports_4_25_bits_per_weight():
+    src, _ = source_in_layout("gate_up", seed=4, biases=False)
+    mem = prepare_weights(**src).memory()
+    n_weights = E * (2 * I * H + H * I)
+    assert mem["weights"] == n_weights // 2
+    assert mem["scales"] == n_weights // 32
+    assert mem["bits_per_weight"] == pytest.approx(4.25)
+    assert mem["row_metadata"] == E * (2 * I + H) * 8  # ref + windows, int32 each
+    assert 4.25 < mem["bits_per_weight_all"] < 5.5
+    assert mem["total"] == mem["weights"] + mem["scales"] + mem["row_metadata"] + mem["biases"]
+
+
+# ----------------------------------------------------------------------------- row spans
+
+
+@pytest.mark.parametrize("span,windows", [(0, 1), (1, 1), (14, 1), (15, 2), (29, 2), (30, 3), (100, 7)])
+def test_row_windows_for_hand_made_spans(span, windows):
+    # K = 128: four scale blocks per row, so the span sits between blocks 1 and 3
+    h, i = 128, 128
+    w13 = torch.zeros(1, 2 * i, h // 2, dtype=torch.uint8)
+    w2 = torch.zeros(1, h, i // 2, dtype=torch.uint8)
+    s13 = torch.full((1, 2 * i, h // 32), 120, dtype=torch.uint8)
+    s2 = torch.full((1, h, i // 32), 120, dtype=torch.uint8)
+    lo = 60
+    # interleaved source row 5 is up row 2 -> prepared row i + 2
+    s13[0, 5] = lo
+    s13[0, 5, 3] = lo + span
+    s13[0, 5, 0] = lo + span // 2  # an interior value changes nothing
+    s2[0, 7] = lo
+    s2[0, 7, 1] = lo + span
+    experts = prepare_weights(w13, s13, w2, s2, w13_layout="interleaved")
+    expect13 = torch.ones(1, 2 * i, dtype=torch.int32)
+    expect13[0, i + 2] = windows
+    expect2 = torch.ones(1, h, dtype=torch.int32)
+    expect2[0, 7] = windows
+    assert experts.w13_windows.dtype == torch.int32 and experts.w2_windows.dtype == torch.int32
+    assert torch.equal(experts.w13_windows, expect13)
+    assert torch.equal(experts.w2_windows, expect2)
+    assert experts.w13_ref[0, i + 2].item() == lo + span
+    assert experts.w2_ref[0, 7].item() == lo + span
+    others = torch.ones(2 * i, dtype=torch.bool)
+    others[i + 2] = False
+    assert (experts.w13_ref[0, others] == 120).all()
+    assert experts.max_windows == windows
+
+
+def test_row_ref_is_largest_scale_byte():
+    src, _ = source_in_layout("up_gate", seed=5)
+    experts = prepare_weights(**src, w13_layout="up_gate")
+    assert torch.equal(experts.w13_ref, experts.w13_scale.amax(-1).to(torch.int32))
+    assert torch.equal(experts.w2_ref, src["w2_scale"].amax(-1).to(torch.int32))
+    span = (experts.w13_scale.amax(-1).int() - experts.w13_scale.amin(-1).int())
+    assert torch.equal(experts.w13_windows, span // 15 + 1)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _bad(**changes):
+    def make():
+        src, _ = source_in_layout("gate_up", seed=6)
+        src.update({k: (v(src) if callable(v) else v) for k, v in changes.items()})
+        return src
+    return make
+
+
+def _with_255(t):
+    t = t.clone()
+    t[1, 2, 0] = 255
+    return t
+
+
+BAD_INPUTS = [
+    ("w13", TypeError, _bad(w13=lambda s: s["w13"].numpy())),
+    ("w13", TypeError, _bad(w13=lambda s: s["w13"].to(torch.int8))),
+    ("w13", ValueError, _bad(w13=lambda s: s["w13"][0])),
+    ("w13", ValueError, _bad(w13=lambda s: s["w13"][:, :, :12].contiguous(), w13_scale=lambda s: s["w13_scale"][:, :, :1].contiguous())),  # K = 24
+    ("w13", ValueError, _bad(w13=lambda s: s["w13"][:, :-1].contiguous(), w13_scale=lambda s: s["w13_scale"][:, :-1].contiguous())),  # odd rows
+    ("w13_scale", ValueError, _bad(w13_scale=lambda s: s["w13_scale"][:, :, :1].contiguous())),
+    ("w13_scale", TypeError, _bad(w13_scale=lambda s: s["w13_scale"].float())),
+    ("w13_scale", ValueError, _bad(w13_scale=lambda s: _with_255(s["w13_scale"]))),
+    ("w2", TypeError, _bad(w2=lambda s: s["w2"].to(torch.int16))),
+    ("w2", ValueError, _bad(w2=lambda s: s["w2"][:, :-1].contiguous(), w2_scale=lambda s: s["w2_scale"][:, :-1].contiguous())),
+    ("w2", ValueError, _bad(w2=lambda s: s["w2"][:-1].contiguous(), w2_scale=lambda s: s["w2_scale"][:-1].contiguous())),
+    ("w2", ValueError, _bad(w2=lambda s: s["w2"][:, :, :16].contiguous(), w2_scale=lambda s: s["w2_scale"][:, :, :1].contiguous())),
+    ("w2_scale", ValueError, _bad(w2_scale=lambda s: s["w2_scale"][:, :, :1].contiguous())),
+    ("w2_scale", ValueError, _bad(w2_scale=lambda s: _with_255(s["w2_scale"]))),
+    ("w2_scale", ValueError, _bad(w2_scale=lambda s: _with_255(s["w2_scale"]).view(torch.float8_e8m0fnu))),
+    ("b13", ValueError, _bad(b13=lambda s: s["b13"][:, :-1])),
+    ("b13", TypeError, _bad(b13=lambda s: s["b13"].long())),
+    ("b2", ValueError, _bad(b2=lambda s: s["b2"][:-1])),
+    ("w13_global_scale", ValueError, _bad(w13_global_scale=torch.ones(E + 1))),
+    ("w2_global_scale", TypeError, _bad(w2_global_scale=torch.ones(E, dtype=torch.int32))),
+]
+
+
+@pytest.mark.parametrize("name,exc,make", BAD_INPUTS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_INPUTS)])
+def test_prepare_errors_name_the_argument(name, exc, make):
+    with pytest.raises(exc) as info:
+        prepare_weights(**make())
+    assert re.search(rf"\b{name}\b", str(info.value)), str(info.value)
+
+
+def test_prepare_rejects_k_not_multiple_of_32_in_w2():
+    # I = 48: w13 rows are fine (H = 64), w2's K = I is not a multiple of 32
+    w13 = torch.zeros(1, 96, 32, dtype=torch.uint8)
+    s13 = torch.full((1, 96, 2), 127, dtype=torch.uint8)
+    w2 = torch.zeros(1, 64, 24, dtype=torch.uint8)
+    s2 = torch.full((1, 64, 1), 127, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"\bw2\b.*32"):
+        prepare_weights(w13, s13, w2, s2)
+
+
+def test_prepare_rejects_unknown_layout():
+    src, _ = source_in_layout("gate_up", seed=7)
+    with pytest.raises(ValueError, match=r"\bw13_layout\b"):
+        prepare_weights(**src, w13_layout="gate-up")

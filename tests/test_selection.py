@@ -1,0 +1,77 @@
+"""Path selection between W4A16 and W4A8 (SPEC §6)."""
+from __future__ import annotations
+
+import pytest
+
+from mxmoe import select_precision
+from mxmoe.selection import ENV_MIN_ROWS
+
+THRESHOLD = 4096
+
+
+@pytest.fixture
+def env(monkeypatch):
+    def set_env(value):
+        if value is None:
+            monkeypatch.delenv(ENV_MIN_ROWS, raising=False)
+        else:
+            monkeypatch.setenv(ENV_MIN_ROWS, value)
+    return set_env
+
+
+def test_env_variable_name():
+    assert ENV_MIN_ROWS == "MXMOE_FP8_PREFILL_MIN_ROWS"
+
+
+@pytest.mark.parametrize("value", [None, "", "0", " 0 "])
+@pytest.mark.parametrize("rows", [1, THRESHOLD, 10 ** 7])
+def test_fp8_off_by_default(env, value, rows):
+    env(value)
+    assert select_precision(rows, capturing=False) == "w4a16"
+
+
+@pytest.mark.parametrize("rows,expected", [(1, "w4a16"), (THRESHOLD - 1, "w4a16"), (THRESHOLD, "w4a8"), (THRESHOLD + 1, "w4a8")])
+def test_threshold(env, rows, expected):
+    env(str(THRESHOLD))
+    assert select_precision(rows, capturing=False) == expected
+    assert select_precision(rows, precision="auto", capturing=False) == expected
+
+
+def test_threshold_one_turns_fp8_on_for_every_row_count(env):
+    env("1")
+    assert select_precision(1, capturing=False) == "w4a8"
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5", "1e3", "0x10", "4096 rows"])
+@pytest.mark.parametrize("precision", ["auto", "w4a16"])
+def test_malformed_env_is_an_error(env, value, precision):
+    env(value)
+    with pytest.raises(ValueError, match=ENV_MIN_ROWS):
+        select_precision(THRESHOLD, precision=precision, capturing=False)
+
+
+@pytest.mark.parametrize("value", [None, "0", "1", str(THRESHOLD)])
+def test_capture_always_runs_w4a16(env, value):
+    env(value)
+    for precision in ("auto", "w4a16", "w4a8"):
+        assert select_precision(10 ** 6, precision=precision, capturing=True) == "w4a16"
+
+
+@pytest.mark.parametrize("value", [None, "0", "1", str(THRESHOLD)])
+@pytest.mark.parametrize("rows", [1, THRESHOLD, 10 ** 6])
+def test_explicit_precision_beats_env(env, value, rows):
+    env(value)
+    assert select_precision(rows, precision="w4a8", capturing=False) == "w4a8"
+    assert select_precision(rows, precision="w4a16", capturing=False) == "w4a16"
+
+
+def test_capturing_none_asks_the_stream_on_cpu(env):
+    env("1")  # no CUDA here (or not capturing): auto decides from the environment
+    assert select_precision(8, capturing=None) == "w4a8"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "W4A8", "", None, "w4a4"])
+def test_bad_precision(env, precision):
+    env(None)
+    with pytest.raises(ValueError, match="precision"):
+        select_precision(8, precision=precision, capturing=False)
