@@ -49,6 +49,7 @@ class PreparedExperts:
     w2_global_scale: Optional[torch.Tensor]
     source_layout: str
     source_scale_dtype: torch.dtype
+    max_windows: int = 1  # largest W4A8 window count of any row (1 for spans <= 15 binades)
 
     @property
     def num_experts(self) -> int:
@@ -65,11 +66,6 @@ class PreparedExperts:
     @property
     def device(self) -> torch.device:
         return self.w13.device
-
-    @property
-    def max_windows(self) -> int:
-        """Largest W4A8 window count of any row (1 for any checkpoint with spans <= 15 binades)."""
-        return int(max(self.w13_windows.max(), self.w2_windows.max())) if self.num_experts else 1
 
     def memory(self) -> dict:
         """Bytes held, by part, and bits per weight."""
@@ -200,6 +196,7 @@ def prepare_weights(
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
         source_layout=w13_layout, source_scale_dtype=source_scale_dtype,
+        max_windows=int(max(w13_windows.max(), w2_windows.max())) if E else 1,
     )
 
 

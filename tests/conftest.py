@@ -6,9 +6,16 @@ decoder is written from the bit-field definition (SPEC §2), not from mxmoe's ta
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+# Triton picks interpreter or compiler when a kernel is defined (at ``import mxmoe``), so the
+# switch is made here, before any test module imports mxmoe: without a GPU the kernels run in
+# the interpreter. Tests that want the PyTorch path on CPU unset it (``no_triton_interpret``).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def e2m1_value(code: int) -> float:

@@ -100,3 +100,72 @@ def store_rounded(ptrs, v, mask, PURE: tl.constexpr):
         tl.store(ptrs, fp32_to_bf16_rne(v), mask=mask)
     else:
         tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
+
+
+# ---- inline-asm forms for the GPU (the interpreter cannot run them; see the plain twins above) ----
+
+@triton.jit
+def e2m1x8_to_bf16_scaled_by_2pow126(packed):
+    """uint8 [.., n] (two E2M1 per byte) -> (low-nibble values, high-nibble values) as BF16 times 2**-126.
+
+    Bit placement only: sign to bit 15, exponent/mantissa ``eem`` to bits 8..6, which is the E2M1
+    value times 2**-126 (code 1 becomes the BF16 subnormal 2**-127). Two prmt spread four bytes
+    into 16-bit lanes; shifts and masks place the nibbles (ptxas fuses them into LOP3).
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, u, v;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 u, t0, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 12; and.b32 v, v, 0x80008000; or.b32 $0, u, v;
+        shl.b32 u, t1, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 12; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
+        shl.b32 u, t0, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 8;  and.b32 v, v, 0x80008000; or.b32 $2, u, v;
+        shl.b32 u, t1, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 8;  and.b32 v, v, 0x80008000; or.b32 $3, u, v;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def bf16_block_factor(d):
+    """BF16 2**(126 + d) for int32 d <= 0 (0 where that underflows): times the 2**-126 placement gives 2**d."""
+    exp = tl.maximum(253 + d, 0)
+    return (exp << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e4m3_tables(d):
+    """Per-block lookup tables for :func:`e2m1x8_to_e4m3_lut`: E4M3 bytes of the magnitudes
+    {0, .5, 1, 1.5, 2, 3, 4, 6} * 2**d for codes 0..3 (``lo``) and 4..7 (``hi``), int32 each.
+
+    d >= -5 keeps every magnitude normal: add ``(6 + d) << 3`` to the exponent field of the
+    codes-1..7 bytes (code 1 has no mantissa). d in [-8, -6] has subnormals: constant tables.
+    Outside [-8, 6] the block is not in this fold window: all zeros.
+    """
+    bias = (6 + d) << 3
+    lo = 0x0C080000 + bias * 0x01010100
+    hi = 0x1C181410 + bias * 0x01010101
+    lo = tl.where(d == -6, 0x0C080400, tl.where(d == -7, 0x06040200, tl.where(d == -8, 0x03020100, lo)))
+    hi = tl.where(d == -6, 0x1C181410, tl.where(d == -7, 0x14100C08, tl.where(d == -8, 0x0C080604, hi)))
+    inside = (d >= -8) & (d <= 6)
+    return tl.where(inside, lo, 0), tl.where(inside, hi, 0)
+
+
+@triton.jit
+def e2m1x8_to_e4m3_lut(packed, tab_lo, tab_hi):
+    """uint8 [.., n] -> (low-nibble, high-nibble) E4M3 values via byte-permute lookup in the
+    per-block tables (broadcast to ``packed``'s shape, int32); the sign bit is copied over."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 x, y, s, q, g;
+        and.b32 x, $2, 0x0F0F0F0F;
+        shr.b32 y, $2, 4;
+        and.b32 y, y, 0x0F0F0F0F;
+        shr.b32 s, x, 4; or.b32 s, s, x; prmt.b32 s, s, 0, 0x0020; and.b32 s, s, 0x7777;
+        prmt.b32 q, $3, $7, s;
+        and.b32 g, x, 0x08080808; shl.b32 g, g, 4; or.b32 $0, q, g;
+        shr.b32 s, y, 4; or.b32 s, s, y; prmt.b32 s, s, 0, 0x0020; and.b32 s, s, 0x7777;
+        prmt.b32 q, $3, $7, s;
+        and.b32 g, y, 0x08080808; shl.b32 g, g, 4; or.b32 $1, q, g;
+        }""",
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[packed, tab_lo, tab_hi], dtype=(tl.float8e4nv, tl.float8e4nv),
+        is_pure=True, pack=4)

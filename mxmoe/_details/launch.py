@@ -146,7 +146,7 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
 
 
 def _gemm(a, a_scale, w, w_scale, w_ref, w_win, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-          gemm1, swigluoai, fp8, cfg: GemmConfig):
+          gemm1, swigluoai, fp8, multi_window, cfg: GemmConfig):
     grid = (n // cfg.block_m, pack.tile_expert.numel())
     moe_gemm_kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
@@ -156,7 +156,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, w_win, gscale, bias, pack, out, topk_we
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
         BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=pure_triton(), NUM_STAGES=cfg.num_stages,
-        FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else None,
+        FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else None, MULTI_WINDOW=fp8 and multi_window,
         num_warps=cfg.num_warps,
     )
 
@@ -189,7 +189,8 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
     max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"
-    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8)
+    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8,
+                  multi_window=experts.max_windows > 1)
     if fp8:
         x_q, x_scale = workspace.x_q[:T], workspace.x_scale[:T]
         _quantize_rows(x, x_q, x_scale)

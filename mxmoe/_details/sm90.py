@@ -37,7 +37,8 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False):
+def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
+                 multi_window: bool = False):
     """``triton.compile`` the GEMM template for sm_90a with the given constexprs."""
     a_ty = "*fp8e4nv" if fp8 else "*bf16"
     out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
@@ -47,7 +48,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
                  BT=cfg.block_rows, BK=cfg.block_k, PURE=False, NUM_STAGES=cfg.num_stages,
-                 FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else None)
+                 FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else None, MULTI_WINDOW=fp8 and multi_window)
     names = list(moe_gemm_kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
@@ -70,3 +71,26 @@ def report(kernel) -> KernelReport:
     mma = sorted(set(re.findall(r"\b[HQ]GMMA\.\S+|\bHMMA\.\S+", sass)))
     ttgir = kernel.asm["ttgir"]
     return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir)
+
+
+def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536)) -> list:
+    """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs, both precisions)."""
+    from .launch import gemm_config
+
+    out = []
+    for fp8 in (False, True):
+        for gemm1 in (True, False):
+            for r in rows:
+                n, k = (I, H) if gemm1 else (H, I)
+                cfg = gemm_config(r, E, n, k, fp8)
+                rep = report(compile_gemm(gemm1, fp8, cfg))
+                out.append(dict(fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
+                                spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
+                                async_copies=rep.async_copies))
+    return out
+
+
+if __name__ == "__main__":  # python -m mxmoe._details.sm90: JSON reports (needs TRITON_INTERPRET unset)
+    import json
+
+    print(json.dumps(default_reports()))

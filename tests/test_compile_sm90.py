@@ -1,0 +1,36 @@
+"""Compile the GEMM kernels for sm_90a on the CPU: tensor-core MMA (wgmma) in the SASS, no spills.
+
+Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill. The
+compile runs in a subprocess without TRITON_INTERPRET (which the CPU test session sets, and
+which makes the kernels interpreter objects at import).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def reports():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "mxmoe._details.sm90"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_config_compiled(reports):
+    assert len(reports) == 8
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_gemm_uses_wgmma_without_spills(reports, index):
+    r = reports[index]
+    expected = "QGMMA" if r["fp8"] else "HGMMA"
+    assert r["mma_ops"] and all(op.startswith(expected) for op in r["mma_ops"]), r
+    if r["fp8"]:
+        assert all(".E4M3.E4M3" in op for op in r["mma_ops"]), r
+    assert r["spill_bytes"] == 0, r
+    assert r["async_copies"] > 0, f"the K loop's loads were not pipelined: {r}"

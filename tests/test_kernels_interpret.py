@@ -1,0 +1,146 @@
+"""The Triton kernels themselves, run in Triton's CPU interpreter (their pure-Triton form).
+
+With TRITON_INTERPRET=1, ``fused_moe`` on CPU tensors launches the route-pack, quantize, GEMM
+and top-k kernels; their results are compared with the PyTorch emulation of the same path
+(bitwise where the arithmetic is the same) and with the exact reference.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mxmoe
+from mxmoe import fused_moe, fused_moe_reference, relative_l2
+
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 before import (conftest sets it without a GPU)")
+
+
+def experts(E, H, I, *, seed=0, biases=False, scale_lo=118, scale_hi=124, pattern=None):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(scale_lo, scale_hi + 1, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(scale_lo, scale_hi + 1, (E, H, I // 32), generator=g, dtype=torch.uint8)
+    if pattern == "zero_bytes":
+        s13[:, ::3, ::2] = 0
+        s2[:, 1::4, :] = 0
+    elif pattern == "wide_span":  # blocks of one row 0, 10, 20, 30 binades apart
+        s13 = (126 - 10 * (torch.arange(H // 32) % 4)).to(torch.uint8).expand(E, 2 * I, H // 32).contiguous()
+        s2 = (126 - 10 * (torch.arange(I // 32) % 4)).to(torch.uint8).expand(E, H, I // 32).contiguous()
+    kw = dict(b13=torch.randn(E, 2 * I, generator=g), b2=torch.randn(E, H, generator=g)) if biases else {}
+    return mxmoe.prepare_weights(w13, s13, w2, s2, **kw)
+
+
+def run_both(ex, x, w, ids, precision, **kw):
+    out = torch.full_like(x, float("nan"))
+    res, ran = fused_moe(x, ex, w, ids, precision=precision, out=out, return_precision=True, **kw)
+    assert res is out and ran == precision
+    assert not torch.isnan(out.float()).any(), "an output element was not written"
+    emu = fused_moe_reference(x, ex, w, ids, mode=precision, **kw)
+    exact = fused_moe_reference(x, ex, w, ids, mode="exact", **kw)
+    return out, emu, exact
+
+
+CASES = {
+    # name: (E, H, I, T, top_k, extra)
+    "partial_tiles": (6, 128, 64, 9, 3, {}),
+    "k_tail_32": (4, 96, 96, 5, 2, {}),  # K = 96: BK falls back to 32
+    "biases_swigluoai": (4, 64, 64, 6, 2, {"biases": True, "activation": "swigluoai"}),
+    "clamped_silu": (4, 64, 64, 6, 2, {"activation": "silu", "swiglu_limit": 3.0}),
+    "zero_scale_bytes": (4, 64, 64, 6, 2, {"pattern": "zero_bytes"}),
+    "wide_span": (4, 128, 128, 5, 2, {"pattern": "wide_span"}),
+}
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_emulation(case, precision):
+    E, H, I, T, top_k, extra = CASES[case]
+    extra = dict(extra)
+    ex = experts(E, H, I, biases=extra.pop("biases", False), pattern=extra.pop("pattern", None))
+    if case == "wide_span":
+        assert ex.max_windows == 3  # 30-binade rows need three W4A8 passes
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.randint(0, E, (T, top_k), generator=g, dtype=torch.int32)
+    w = torch.rand(T, top_k, generator=g)
+    out, emu, exact = run_both(ex, x, w, ids, precision, **extra)
+    # same rounding points as the emulation; FP32 sums in another order move a few BF16 ulps at most
+    assert relative_l2(out, emu) <= 2e-3, relative_l2(out, emu)
+    assert relative_l2(out, exact) <= (5e-3 if precision == "w4a16" else 5e-2)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_masked_routes_empty_experts_expert_map(ids_dtype, precision):
+    E_local, E_global, H, I, T, top_k = 4, 12, 64, 64, 8, 3
+    ex = experts(E_local, H, I, seed=3)
+    emap = torch.full((E_global,), -1, dtype=torch.int32)
+    emap[4:8] = torch.arange(4, dtype=torch.int32)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(-2, E_global + 2, (T, top_k), generator=g).to(ids_dtype)
+    ids[0] = torch.tensor([5, 5, 5])  # one hot expert; experts 4 and 7 may stay empty
+    ids[3] = -1  # a token whose routes are all masked
+    x = torch.randn(T, H, generator=g).bfloat16()
+    x[5] = 0  # a zero token row (scale 0 in W4A8, never NaN)
+    w = torch.rand(T, top_k, generator=g)
+    out, emu, exact = run_both(ex, x, w, ids, precision, expert_map=emap)
+    assert (out[3] == 0).all()
+    assert relative_l2(out, emu) <= 2e-3
+    assert relative_l2(out, exact) <= (5e-3 if precision == "w4a16" else 5e-2)
+
+
+def test_all_routes_masked_gives_zeros():
+    ex = experts(4, 64, 64)
+    x = torch.randn(3, 64).bfloat16()
+    ids = torch.full((3, 2), -1, dtype=torch.int32)
+    out = fused_moe(x, ex, torch.rand(3, 2), ids, out=torch.full_like(x, float("nan")))
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("block_rows", [16, 32])
+def test_device_route_pack_matches_torch_pack(block_rows):
+    from mxmoe._details.launch import Workspace
+
+    E, T, top_k = 7, 40, 3
+    ex = experts(E, 64, 64)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, E + 1, (T, top_k), generator=g, dtype=torch.int32)
+    ids[:10, 0] = 2  # hot expert
+    ws = Workspace(ex, T, top_k)
+    pack = ws.route_pack(ids, None, block_rows, E)
+    ref = mxmoe.route_pack(ids, E, block_rows)
+    assert torch.equal(pack.expert_counts, ref.expert_counts)
+    assert torch.equal(pack.segment_offsets, ref.segment_offsets)
+    assert torch.equal(pack.num_tiles, ref.num_tiles)
+    assert torch.equal(pack.tile_expert, ref.tile_expert)
+    assert torch.equal(pack.tile_start, ref.tile_start)
+    # same routes in each expert's segment (order within a segment may differ), sentinel padding
+    assert torch.equal((pack.route_slot < 0), (ref.route_slot < 0))
+    valid = pack.route_slot >= 0
+    assert torch.equal(pack.sorted_routes[pack.route_slot[valid].long()], torch.nonzero(valid).squeeze(1).int())
+    for e in range(E):
+        lo, hi = ref.segment_offsets[e].item(), ref.segment_offsets[e + 1].item()
+        assert sorted(pack.sorted_routes[lo:hi].tolist()) == sorted(ref.sorted_routes[lo:hi].tolist())
+    used = ref.segment_offsets[-1].item()
+    assert (pack.sorted_routes[used:] == -1).all()
+
+
+def test_row_quantizer_matches_reference():
+    from mxmoe._details.launch import _quantize_rows
+    from mxmoe.reference import quantize_rows_fp8
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 200, generator=g) * torch.tensor([1, 1e-3, 1e3, 0, 7, 1])[:, None]
+    x[4, :10] = torch.tensor([448 * 7 / 0.999, -3.5, 2.25, 1e-9, -0.0, 5, 6, 7, 8, 9])
+    q = torch.empty(6, 200, dtype=torch.float8_e4m3fn)
+    s = torch.empty(6)
+    _quantize_rows(x, q, s)
+    q_ref, s_ref = quantize_rows_fp8(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert (s[3] == 0) and (q[3].float() == 0).all()
