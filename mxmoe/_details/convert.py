@@ -152,8 +152,9 @@ def e4m3_tables(d):
 
 @triton.jit
 def e2m1x8_to_e4m3_lut(packed, tab_lo, tab_hi):
-    """uint8 [.., n] -> (low-nibble, high-nibble) E4M3 values via byte-permute lookup in the
-    per-block tables (broadcast to ``packed``'s shape, int32); the sign bit is copied over."""
+    """uint8 [.., n] -> (low-nibble, high-nibble) E4M3 bits (uint8) via byte-permute lookup in the
+    per-block tables (broadcast to ``packed``'s shape, int32); the sign bit is copied over. All
+    four bytes of one call lie in one K32 block (16 bytes), so the first table operands serve."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 x, y, s, q, g;
@@ -167,5 +168,5 @@ def e2m1x8_to_e4m3_lut(packed, tab_lo, tab_hi):
         prmt.b32 q, $3, $7, s;
         and.b32 g, y, 0x08080808; shl.b32 g, g, 4; or.b32 $1, q, g;
         }""",
-        constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[packed, tab_lo, tab_hi], dtype=(tl.float8e4nv, tl.float8e4nv),
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[packed, tab_lo, tab_hi], dtype=(tl.uint8, tl.uint8),
         is_pure=True, pack=4)

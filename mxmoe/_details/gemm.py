@@ -16,11 +16,12 @@ from .convert import (bf16_block_factor, e2m1_to_bf16, e2m1_to_e4m3, e2m1x8_to_b
 
 
 @triton.jit
-def _load_weights(w_ptrs, s_ptrs, ref, win, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
+def _load_weights(w_ptrs, s_ptrs, ref, win, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr,
+                  FP8_LUT: tl.constexpr = True):
     """Load and convert one [BM, BK] weight tile, each K32 block folded with 2**(b - ref) (exact)."""
     packed = tl.load(w_ptrs)
     d = tl.load(s_ptrs).to(tl.int32) - ref[:, None]  # [BM, BK/32], <= 0
-    if PURE:  # plain Triton bit construction, per element
+    if PURE or (FP8 and not FP8_LUT):  # plain Triton bit construction, per element
         codes = unpack_nibbles(packed, BM, BK)
         if FP8:
             return e2m1_to_e4m3(codes, expand_blocks(d + 6 + 15 * win, BM, BK)).to(tl.float8e4nv, bitcast=True)
@@ -30,8 +31,8 @@ def _load_weights(w_ptrs, s_ptrs, ref, win, FP8: tl.constexpr, BM: tl.constexpr,
         tab_lo, tab_hi = e4m3_tables(d + 6 + 15 * win)
         tab_lo = tl.broadcast_to(tab_lo[:, :, None], (BM, BK // 32, 16)).reshape(BM, BK // 2)
         tab_hi = tl.broadcast_to(tab_hi[:, :, None], (BM, BK // 32, 16)).reshape(BM, BK // 2)
-        lo, hi = e2m1x8_to_e4m3_lut(packed, tab_lo, tab_hi)
-        return tl.join(lo, hi).reshape(BM, BK)
+        lo, hi = e2m1x8_to_e4m3_lut(packed, tab_lo, tab_hi)  # E4M3 bits as uint8: join bytes, then bitcast
+        return tl.join(lo, hi).reshape(BM, BK).to(tl.float8e4nv, bitcast=True)
     else:  # bit placement (value * 2**-126), then one BF16 multiply by 2**(126 + d) per element pair
         lo, hi = e2m1x8_to_bf16_scaled_by_2pow126(packed)
         w = tl.join(lo, hi).reshape(BM, BK // 32, 32) * bf16_block_factor(d)[:, :, None]
@@ -53,7 +54,7 @@ def _mma(w, a, acc, PURE: tl.constexpr, FP8_PROMOTE: tl.constexpr):
 @triton.jit
 def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u, win, K,
             GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-            PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr):
+            PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr, FP8_LUT: tl.constexpr):
     """acc_g (+ acc_u for the up rows ``up_off`` rows further) += W · A[a_row]ᵀ over K, one fold window."""
     offs_k = tl.arange(0, BK)
     offs_m = tl.arange(0, BM)
@@ -62,10 +63,11 @@ def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off
     s_ptrs = s_base + offs_m[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
-        w = _load_weights(w_ptrs, s_ptrs, ref_g, win, FP8, BM, BK, PURE)
+        w = _load_weights(w_ptrs, s_ptrs, ref_g, win, FP8, BM, BK, PURE, FP8_LUT)
         acc_g = _mma(w, a, acc_g, PURE, FP8_PROMOTE)
         if GLU:
-            w = _load_weights(w_ptrs + up_off * (K // 2), s_ptrs + up_off * (K // 32), ref_u, win, FP8, BM, BK, PURE)
+            w = _load_weights(w_ptrs + up_off * (K // 2), s_ptrs + up_off * (K // 32), ref_u, win, FP8, BM, BK, PURE,
+                              FP8_LUT)
             acc_u = _mma(w, a, acc_u, PURE, FP8_PROMOTE)
         a_ptrs += BK
         w_ptrs += BK // 2
@@ -76,7 +78,8 @@ def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off
 @triton.jit
 def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_base, up_off, K,
                GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr, MULTI_WINDOW: tl.constexpr):
+               PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr, MULTI_WINDOW: tl.constexpr,
+               FP8_LUT: tl.constexpr):
     """FP32 [BM, BT] tiles W[rows] · A[a_row]ᵀ (and the up rows' for GLU), every weight scale applied."""
     offs_m = tl.arange(0, BM)
     ref_g = tl.load(ref_base + offs_m)
@@ -85,7 +88,7 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_bas
         ref_u = tl.load(ref_base + up_off + offs_m)
     zeros = tl.zeros((BM, BT), dtype=tl.float32)
     acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
-                           0, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE)
+                           0, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE, FP8_LUT)
     if not FP8:
         return acc_g * pow2(ref_g - 127)[:, None], acc_u * pow2(ref_u - 127)[:, None]
     # window w folds blocks with b - ref in [-14 - 15w, -15w] into E4M3 exponents [-8, 6]
@@ -97,7 +100,7 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_bas
             n_win = tl.maximum(n_win, tl.max(tl.load(win_base + up_off + offs_m), axis=0))
         for win in range(1, n_win):
             acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
-                                   win, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE)
+                                   win, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE, FP8_LUT)
             out_g += acc_g * pow2(ref_g - 133 - 15 * win)[:, None]
             out_u += acc_u * pow2(ref_u - 133 - 15 * win)[:, None]
     return out_g, out_u
@@ -114,6 +117,7 @@ def moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_GSCALE: tl.constexpr,
     BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr, MULTI_WINDOW: tl.constexpr,
+    FP8_LUT: tl.constexpr,
 ):
     """GEMM1 (``GEMM1``): rows of x gathered by route, gate and up halves of W13, bias,
     activation -> intermediate[slot, :N] (BF16, or FP32 for W4A8's row requantization).
@@ -147,7 +151,7 @@ def moe_gemm_kernel(
         col_scale = col_scale * tl.load(gscale_ptr + expert)
 
     g, u = _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e + n0 * (K // 2), s_e + n0 * (K // 32), ref_e + n0, win_e + n0,
-                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE, MULTI_WINDOW)
+                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE, MULTI_WINDOW, FP8_LUT)
     y = g * col_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert * n_weight_rows + offs_n)[:, None]
