@@ -11,28 +11,19 @@ K pass per window; blocks outside the current window convert to zero, so nothing
 import triton
 import triton.language as tl
 
-from .convert import (bf16_block_factor, e2m1_to_bf16, e2m1_to_e4m3, e2m1x8_to_bf16_scaled_by_2pow126, e2m1x8_to_e4m3_lut,
-                      e4m3_tables, expand_blocks, pow2, store_rounded, unpack_nibbles)
+from .convert import (bf16_block_factor, e2m1_to_bf16, e2m1_to_e4m3, e2m1x8_to_bf16_scaled_by_2pow126, expand_blocks, pow2,
+                      store_rounded, unpack_nibbles)
 
 
 @triton.jit
-def _load_weights(w_ptrs, s_ptrs, ref, win, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr,
-                  FP8_LUT: tl.constexpr = True):
-    """Load and convert one [BM, BK] weight tile, each K32 block folded with 2**(b - ref) (exact)."""
-    packed = tl.load(w_ptrs)
-    d = tl.load(s_ptrs).to(tl.int32) - ref[:, None]  # [BM, BK/32], <= 0
-    if PURE or (FP8 and not FP8_LUT):  # plain Triton bit construction, per element
+def _convert_weights(packed, d, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
+    """[BM, BK/2] packed E2M1 -> [BM, BK] BF16 times 2**d, or E4M3 times 2**d (d per K32 block, [BM, BK/32])."""
+    if PURE or FP8:  # plain Triton bit construction, per element
         codes = unpack_nibbles(packed, BM, BK)
         if FP8:
-            return e2m1_to_e4m3(codes, expand_blocks(d + 6 + 15 * win, BM, BK)).to(tl.float8e4nv, bitcast=True)
+            return e2m1_to_e4m3(codes, expand_blocks(d, BM, BK)).to(tl.float8e4nv, bitcast=True)
         else:
             return e2m1_to_bf16(codes, expand_blocks(d, BM, BK))
-    elif FP8:  # byte-permute lookup in per-block tables
-        tab_lo, tab_hi = e4m3_tables(d + 6 + 15 * win)
-        tab_lo = tl.broadcast_to(tab_lo[:, :, None], (BM, BK // 32, 16)).reshape(BM, BK // 2)
-        tab_hi = tl.broadcast_to(tab_hi[:, :, None], (BM, BK // 32, 16)).reshape(BM, BK // 2)
-        lo, hi = e2m1x8_to_e4m3_lut(packed, tab_lo, tab_hi)  # E4M3 bits as uint8: join bytes, then bitcast
-        return tl.join(lo, hi).reshape(BM, BK).to(tl.float8e4nv, bitcast=True)
     else:  # bit placement (value * 2**-126), then one BF16 multiply by 2**(126 + d) per element pair
         lo, hi = e2m1x8_to_bf16_scaled_by_2pow126(packed)
         w = tl.join(lo, hi).reshape(BM, BK // 32, 32) * bf16_block_factor(d)[:, :, None]
@@ -40,21 +31,38 @@ def _load_weights(w_ptrs, s_ptrs, ref, win, FP8: tl.constexpr, BM: tl.constexpr,
 
 
 @triton.jit
-def _mma(w, a, acc, PURE: tl.constexpr, FP8_PROMOTE: tl.constexpr):
-    if PURE:  # the interpreter's bf16/fp8 dot is wrong: multiply exact FP32 copies instead
-        return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-    elif w.dtype == tl.float8e4nv:
-        # Hopper's FP8 MMA accumulates in reduced precision: each dot's partial sum is added
-        # into the FP32 accumulator (FP8_PROMOTE = BK; smaller values break 3.6's pipeliner)
-        return tl.dot(w, a, acc, max_num_imprecise_acc=FP8_PROMOTE)
+def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, win, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+              PURE: tl.constexpr):
+    """acc += one [BM, BK] weight tile · a, every K32 block scale applied exactly.
+
+    W4A16: blocks folded relative to the row's reference exponent (BF16 holds any fold), the
+    reference applied after the K loop. W4A8: blocks folded relative to this K-tile's largest
+    scale of the row into E4M3 window ``win`` (exact), the MMA's partial sum then scaled into
+    the FP32 accumulator — Hopper's FP8 MMA accumulates with fewer bits than FP32, so its
+    partial sums never run longer than one K-tile.
+    """
+    packed = tl.load(w_ptrs)
+    sc = tl.load(s_ptrs).to(tl.int32)
+    if FP8:
+        tile_ref = tl.max(sc, axis=1)
+        w = _convert_weights(packed, sc - tile_ref[:, None] + 6 + 15 * win, FP8, BM, BK, PURE)
+        if PURE:  # the interpreter's bf16/fp8 dot is wrong: multiply exact FP32 copies instead
+            part = tl.dot(w.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(w, a)
+        return acc + part * pow2(tile_ref - 133 - 15 * win)[:, None]
     else:
-        return tl.dot(w, a, acc)
+        w = _convert_weights(packed, sc - ref[:, None], FP8, BM, BK, PURE)
+        if PURE:
+            return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(w, a, acc)
 
 
 @triton.jit
 def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u, win, K,
             GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-            PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr, FP8_LUT: tl.constexpr):
+            PURE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """acc_g (+ acc_u for the up rows ``up_off`` rows further) += W · A[a_row]ᵀ over K, one fold window."""
     offs_k = tl.arange(0, BK)
     offs_m = tl.arange(0, BM)
@@ -63,12 +71,10 @@ def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off
     s_ptrs = s_base + offs_m[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
-        w = _load_weights(w_ptrs, s_ptrs, ref_g, win, FP8, BM, BK, PURE, FP8_LUT)
-        acc_g = _mma(w, a, acc_g, PURE, FP8_PROMOTE)
+        acc_g = _tile_mma(acc_g, w_ptrs, s_ptrs, a, ref_g, win, FP8, BM, BK, PURE)
         if GLU:
-            w = _load_weights(w_ptrs + up_off * (K // 2), s_ptrs + up_off * (K // 32), ref_u, win, FP8, BM, BK, PURE,
-                              FP8_LUT)
-            acc_u = _mma(w, a, acc_u, PURE, FP8_PROMOTE)
+            acc_u = _tile_mma(acc_u, w_ptrs + up_off * (K // 2), s_ptrs + up_off * (K // 32), a, ref_u, win,
+                              FP8, BM, BK, PURE)
         a_ptrs += BK
         w_ptrs += BK // 2
         s_ptrs += BK // 32
@@ -78,8 +84,7 @@ def _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off
 @triton.jit
 def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_base, up_off, K,
                GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr, MULTI_WINDOW: tl.constexpr,
-               FP8_LUT: tl.constexpr):
+               PURE: tl.constexpr, NUM_STAGES: tl.constexpr, MULTI_WINDOW: tl.constexpr):
     """FP32 [BM, BT] tiles W[rows] · A[a_row]ᵀ (and the up rows' for GLU), every weight scale applied."""
     offs_m = tl.arange(0, BM)
     ref_g = tl.load(ref_base + offs_m)
@@ -88,22 +93,19 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, win_bas
         ref_u = tl.load(ref_base + up_off + offs_m)
     zeros = tl.zeros((BM, BT), dtype=tl.float32)
     acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
-                           0, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE, FP8_LUT)
+                           0, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES)
     if not FP8:
         return acc_g * pow2(ref_g - 127)[:, None], acc_u * pow2(ref_u - 127)[:, None]
-    # window w folds blocks with b - ref in [-14 - 15w, -15w] into E4M3 exponents [-8, 6]
-    out_g = acc_g * pow2(ref_g - 133)[:, None]
-    out_u = acc_u * pow2(ref_u - 133)[:, None]
-    if MULTI_WINDOW:  # compiled only for weights whose row scales span > 15 binades
+    # window w folds blocks with b - tile_ref in [-14 - 15w, -15w] into E4M3 exponents [-8, 6];
+    # a row needs more than one window only if its scales span > 15 binades (row metadata)
+    if MULTI_WINDOW:  # compiled only for weights that have such rows
         n_win = tl.max(tl.load(win_base + offs_m), axis=0)
         if GLU:
             n_win = tl.maximum(n_win, tl.max(tl.load(win_base + up_off + offs_m), axis=0))
         for win in range(1, n_win):
-            acc_g, acc_u = _k_loop(zeros, zeros, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
-                                   win, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE, FP8_LUT)
-            out_g += acc_g * pow2(ref_g - 133 - 15 * win)[:, None]
-            out_u += acc_u * pow2(ref_u - 133 - 15 * win)[:, None]
-    return out_g, out_u
+            acc_g, acc_u = _k_loop(acc_g, acc_u, a_ptr, a_row, row_ok, stride_a, w_base, s_base, up_off, ref_g, ref_u,
+                                   win, K, GLU, FP8, BM, BT, BK, PURE, NUM_STAGES)
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -116,8 +118,7 @@ def moe_gemm_kernel(
     GEMM1: tl.constexpr, SWIGLUOAI: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GSCALE: tl.constexpr,
     BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    PURE: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_PROMOTE: tl.constexpr, MULTI_WINDOW: tl.constexpr,
-    FP8_LUT: tl.constexpr,
+    PURE: tl.constexpr, NUM_STAGES: tl.constexpr, MULTI_WINDOW: tl.constexpr,
 ):
     """GEMM1 (``GEMM1``): rows of x gathered by route, gate and up halves of W13, bias,
     activation -> intermediate[slot, :N] (BF16, or FP32 for W4A8's row requantization).
@@ -151,7 +152,7 @@ def moe_gemm_kernel(
         col_scale = col_scale * tl.load(gscale_ptr + expert)
 
     g, u = _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e + n0 * (K // 2), s_e + n0 * (K // 32), ref_e + n0, win_e + n0,
-                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES, FP8_PROMOTE, MULTI_WINDOW, FP8_LUT)
+                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES, MULTI_WINDOW)
     y = g * col_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert * n_weight_rows + offs_n)[:, None]

@@ -35,8 +35,6 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    fp8_promote: bool = True  # add each FP8 MMA's partial sum into an FP32 accumulator (False: measurement only)
-    fp8_lut: bool = True  # E2M1 -> E4M3 by byte-permute lookup (False: plain bit construction)
 
 
 def tile_rows_for(rows: int, num_experts: int) -> int:
@@ -52,8 +50,9 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
     bt = tile_rows_for(rows, num_experts)
     # 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
     # (Triton 3.6 waits for each wgmma); measured on the H200 (docs/perf-notes.md)
-    cfg = dict(block_rows=bt, block_m=64, block_k=128 if bt <= 32 else 64, num_warps=4, num_stages=3,
-               fp8_lut=os.environ.get("MXMOE_FP8_LUT", "1") != "0")
+    cfg = dict(block_rows=bt, block_m=64, block_k=128 if bt <= 32 else 64, num_warps=4, num_stages=3)
+    if fp8 and bt == 128:  # W4A8 keeps a partial and a running accumulator: 8 warps to hold both
+        cfg["num_warps"] = 8
     cfg.update(override or {})
     while n % cfg["block_m"]:
         cfg["block_m"] //= 2
@@ -157,8 +156,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, w_win, gscale, bias, pack, out, topk_we
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
         BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=pure_triton(), NUM_STAGES=cfg.num_stages,
-        FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else None, MULTI_WINDOW=fp8 and multi_window,
-        FP8_LUT=cfg.fp8_lut,
+        MULTI_WINDOW=fp8 and multi_window,
         num_warps=cfg.num_warps,
     )
 

@@ -48,7 +48,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
                  BT=cfg.block_rows, BK=cfg.block_k, PURE=False, NUM_STAGES=cfg.num_stages,
-                 FP8_PROMOTE=cfg.block_k if cfg.fp8_promote else None, MULTI_WINDOW=fp8 and multi_window, FP8_LUT=cfg.fp8_lut)
+                 MULTI_WINDOW=fp8 and multi_window)
     names = list(moe_gemm_kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
