@@ -1,6 +1,6 @@
 """Device tuning sweep (developer tool): time GEMM tile configs of both paths on the reference shape.
 
-    python3 scripts/tune.py [--tokens 1,64,1024,8192] [--quick]
+    python3 scripts/tune.py [--tokens 1,64,1024,8192] [--configs '[null, {"block_rows": 32}]']
 
 Prints one row per (T, precision, config): median CUDA-event ms over 30 samples, and the
 default config's time; full numbers go to $OUT/tune.json when OUT is set.
@@ -8,26 +8,17 @@ default config's time; full numbers go to $OUT/tune.json when OUT is set.
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
 import mxmoe
 from mxmoe._details import launch
+from mxmoe.bench import cuda_event_sampler, median
 
 
 def timed(fn, n=30):
     fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median(cuda_event_sampler(fn, n))
 
 
 def main():
