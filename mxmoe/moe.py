@@ -43,6 +43,11 @@ def _check_tensor(t, name, dtypes, dim, device):
         raise ValueError(f"{name} must be contiguous")
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out):
     """Every check of SPEC §7; raises before any work. Returns (T, top_k)."""
     if not isinstance(experts, PreparedExperts):
@@ -66,19 +71,20 @@ def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_lim
             raise ValueError("expert_map must not be empty")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if swiglu_limit is not None and (not isinstance(swiglu_limit, (int, float)) or not math.isfinite(swiglu_limit) or swiglu_limit <= 0):
+    if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
+                                     or not math.isfinite(swiglu_limit) or swiglu_limit <= 0):
         raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {swiglu_limit!r}")
     if swiglu_alpha is not None:
         if activation != "swigluoai":
             raise ValueError("swiglu_alpha applies only to activation='swigluoai'")
-        if not isinstance(swiglu_alpha, (int, float)) or not math.isfinite(swiglu_alpha):
+        if isinstance(swiglu_alpha, bool) or not isinstance(swiglu_alpha, (int, float)) or not math.isfinite(swiglu_alpha):
             raise ValueError(f"swiglu_alpha must be a finite number, got {swiglu_alpha!r}")
     if out is not None:
         _check_tensor(out, "out", (torch.bfloat16,), 2, device)
         if out.shape != x.shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
-        if out.numel() and out.data_ptr() == x.data_ptr():
-            raise ValueError("out must not alias x")
+        if out.numel() and _overlaps(out, x):
+            raise ValueError("out must not overlap x")
     return T, top_k
 
 

@@ -48,7 +48,7 @@ class PreparedExperts:
     w13_global_scale: Optional[torch.Tensor]
     w2_global_scale: Optional[torch.Tensor]
     source_layout: str
-    source_scale_dtype: torch.dtype
+    source_scale_dtypes: tuple  # (w13_scale, w2_scale) dtypes as given, for unprepare_weights
     max_windows: int = 1  # largest W4A8 window count of any row (1 for spans <= 15 binades)
 
     @property
@@ -156,11 +156,10 @@ def prepare_weights(
     """
     if w13_layout not in W13_LAYOUTS:
         raise ValueError(f"w13_layout must be one of {W13_LAYOUTS}, got {w13_layout!r}")
-    source_scale_dtype = w13_scale.dtype if isinstance(w13_scale, torch.Tensor) else torch.uint8
     s13 = _check_packed(w13, w13_scale, "w13", None, None)
     E, two_i, half_h = w13.shape
-    if two_i % 2:
-        raise ValueError(f"w13 has {two_i} rows; expected 2*I")
+    if two_i % 2 or two_i == 0 or E == 0:
+        raise ValueError(f"w13 has shape {tuple(w13.shape)}; expected [E >= 1, 2*I >= 2, H/2]")
     H, I = half_h * 2, two_i // 2
     s2 = _check_packed(w2, w2_scale, "w2", H, I)
     if w2.shape[0] != E:
@@ -195,7 +194,7 @@ def prepare_weights(
         w13_ref=w13_ref, w13_windows=w13_windows, w2_ref=w2_ref, w2_windows=w2_windows,
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
-        source_layout=w13_layout, source_scale_dtype=source_scale_dtype,
+        source_layout=w13_layout, source_scale_dtypes=(w13_scale.dtype, w2_scale.dtype),
         max_windows=int(max(w13_windows.max(), w2_windows.max())) if E else 1,
     )
 
@@ -206,14 +205,14 @@ def unprepare_weights(experts: PreparedExperts) -> dict:
     Returns ``w13, w13_scale, w2, w2_scale`` in the source row layout and scale dtype
     (plus ``b13``/``b2`` as float32 when present) and ``w13_layout``.
     """
-    def scale(t):
-        return t.view(experts.source_scale_dtype) if experts.source_scale_dtype != torch.uint8 else t
+    def scale(t, dtype):
+        return t.view(dtype) if dtype != torch.uint8 else t
 
     layout = experts.source_layout
     out = dict(
         w13=_from_gate_up(experts.w13, layout).contiguous(),
-        w13_scale=scale(_from_gate_up(experts.w13_scale, layout).contiguous()),
-        w2=experts.w2.clone(), w2_scale=scale(experts.w2_scale.clone()), w13_layout=layout,
+        w13_scale=scale(_from_gate_up(experts.w13_scale, layout).contiguous(), experts.source_scale_dtypes[0]),
+        w2=experts.w2.clone(), w2_scale=scale(experts.w2_scale.clone(), experts.source_scale_dtypes[1]), w13_layout=layout,
     )
     if experts.b13 is not None:
         out["b13"] = _from_gate_up(experts.b13.unsqueeze(-1), layout).squeeze(-1).contiguous()

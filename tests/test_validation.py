@@ -166,3 +166,20 @@ def test_accepted_variants(experts):
     ref = fused_moe_reference(args["x"], experts, args["topk_weights"], args["topk_ids"], activation="swigluoai",
                               swiglu_limit=5, swiglu_alpha=1.5, expert_map=expert_map, mode="w4a16")
     assert torch.equal(out, ref)
+
+
+def test_bool_limit_and_overlapping_out_rejected(no_triton_interpret):
+    from mxmoe.format import quantize_mxfp4
+
+    E, H, I = 2, 64, 32
+    p13, s13 = quantize_mxfp4(torch.randn(E, 2 * I, H))
+    p2, s2 = quantize_mxfp4(torch.randn(E, H, I))
+    ex = mxmoe.prepare_weights(p13, s13, p2, s2)
+    buf = torch.randn(5, H).bfloat16()
+    x = buf[:4]
+    ids = torch.zeros(4, 1, dtype=torch.int32)
+    w = torch.ones(4, 1)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        mxmoe.fused_moe(x, ex, w, ids, swiglu_limit=True)
+    with pytest.raises(ValueError, match="out"):
+        mxmoe.fused_moe(x, ex, w, ids, out=buf[1:5])  # shares rows 1..3 with x
