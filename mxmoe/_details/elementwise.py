@@ -46,6 +46,6 @@ def topk_sum_kernel(y_ptr, route_slot_ptr, out_ptr, H, top_k, BLOCK_H: tl.conste
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in range(top_k):
         route = t * top_k + k
-        routed = tl.load(route_slot_ptr + route) >= 0
-        acc += tl.load(y_ptr + route * H + offs, mask=in_row & routed, other=0.0).to(tl.float32)
+        slot = tl.zeros((BLOCK_H,), tl.int32) + tl.load(route_slot_ptr + route)  # a tensor mask (Triton 3.9 interpreter)
+        acc += tl.load(y_ptr + route * H + offs, mask=in_row & (slot >= 0), other=0.0).to(tl.float32)
     store_rounded(out_ptr + t * H + offs, acc, in_row, PURE)

@@ -37,6 +37,13 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def _ptxas() -> str:
+    """The ptxas Triton itself uses for sm_90 (its bundled tools differ between releases)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path
+
+
 def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
                  multi_window: bool = False):
     """``triton.compile`` the GEMM template for sm_90a with the given constexprs."""
@@ -63,7 +70,7 @@ def report(kernel) -> KernelReport:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
+        log = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
                              check=True).stderr
         sass = subprocess.run([_tool("nvdisasm"), cubin], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
