@@ -5,15 +5,13 @@ Layout (``PreparedExperts``):
 * ``w13``  uint8 ``[E, 2I, H/2]``, rows normalized to ``[gate; up]``, K-contiguous, source nibbles.
 * ``w13_scale`` uint8 ``[E, 2I, H/32]``; ``w2`` uint8 ``[E, H, I/2]``; ``w2_scale`` uint8 ``[E, H, I/32]``.
 * ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
-  largest scale byte). Kernels fold ``2**(b - ref)`` into the converted weight and apply
-  ``2**(ref - 127)`` once per row in the FP32 epilogue.
-* ``w13_windows`` / ``w2_windows`` int32 ``[E, rows]``: how many FP8 exponent windows the
-  row's scale span needs. E2M1 * 2**d is exact in E4M3 for d in [-8, 6], so one window
-  covers a 15-binade span; W4A8 runs one K pass per window (almost always 1) and never
-  clamps a block. Spans are per row, not per (row, K-tile): per-row folding keeps one
-  FP32 rescale per row in the epilogue instead of one per K-tile in the main loop.
+  largest scale byte). The W4A16 kernels fold ``2**(b - ref)`` into the BF16 weights (BF16
+  holds any fold exactly) and apply ``2**(ref - 127)`` once per row in the FP32 epilogue.
+  The W4A8 kernels need no span metadata: they run one FP8 MMA per K32 block on
+  E2M1 * 2**-6 (exact in E4M3) and scale its partial sum by the block's scale in FP32, so
+  rows of any scale span are exact.
 
-About 4.25 bits per weight plus 8 bytes of metadata per row; no second copy for FP8.
+About 4.25 bits per weight plus 4 bytes of metadata per row; no second copy for FP8.
 """
 from __future__ import annotations
 
@@ -25,10 +23,6 @@ import torch
 from .format import BLOCK_K, check_no_nan_scales, scales_as_uint8
 
 W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
-# One E4M3 exponent window: e2m1 * 2**d is exact in E4M3 for d in [FP8_FOLD_MIN, FP8_FOLD_MAX].
-FP8_FOLD_MAX = 6
-FP8_FOLD_MIN = -8
-FP8_WINDOW = FP8_FOLD_MAX - FP8_FOLD_MIN + 1
 
 
 @dataclass
@@ -40,16 +34,13 @@ class PreparedExperts:
     w2: torch.Tensor
     w2_scale: torch.Tensor
     w13_ref: torch.Tensor
-    w13_windows: torch.Tensor
     w2_ref: torch.Tensor
-    w2_windows: torch.Tensor
     b13: Optional[torch.Tensor]
     b2: Optional[torch.Tensor]
     w13_global_scale: Optional[torch.Tensor]
     w2_global_scale: Optional[torch.Tensor]
     source_layout: str
     source_scale_dtypes: tuple  # (w13_scale, w2_scale) dtypes as given, for unprepare_weights
-    max_windows: int = 1  # largest W4A8 window count of any row (1 for spans <= 15 binades)
 
     @property
     def num_experts(self) -> int:
@@ -72,7 +63,7 @@ class PreparedExperts:
         parts = {
             "weights": self.w13.nbytes + self.w2.nbytes,
             "scales": self.w13_scale.nbytes + self.w2_scale.nbytes,
-            "row_metadata": self.w13_ref.nbytes + self.w13_windows.nbytes + self.w2_ref.nbytes + self.w2_windows.nbytes,
+            "row_metadata": self.w13_ref.nbytes + self.w2_ref.nbytes,
             "biases": sum(t.nbytes for t in (self.b13, self.b2, self.w13_global_scale, self.w2_global_scale) if t is not None),
         }
         n_weights = 2 * (self.w13.numel() + self.w2.numel())
@@ -86,13 +77,9 @@ class PreparedExperts:
         return PreparedExperts(**{k: move(v) if isinstance(v, torch.Tensor) or v is None else v for k, v in self.__dict__.items()})
 
 
-def _row_spans(scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: reference exponent byte (the largest scale) and W4A8 windows needed."""
-    hi = scale_u8.amax(dim=-1).to(torch.int32)
-    lo = scale_u8.amin(dim=-1).to(torch.int32)
-    # window w covers d = b - ref in [FOLD_MIN - w*WINDOW, FOLD_MAX - w*WINDOW] with ref = hi - FOLD_MAX
-    windows = (hi - lo) // FP8_WINDOW + 1
-    return hi.contiguous(), windows.to(torch.int32).contiguous()
+def _row_ref(scale_u8: torch.Tensor) -> torch.Tensor:
+    """Per row: the reference exponent byte (the largest scale byte), int32."""
+    return scale_u8.amax(dim=-1).to(torch.int32).contiguous()
 
 
 def _check_packed(w, s, name, rows, k):
@@ -187,15 +174,13 @@ def prepare_weights(
 
     w13_n = _to_gate_up(w13, w13_layout)
     s13_n = _to_gate_up(s13, w13_layout)
-    w13_ref, w13_windows = _row_spans(s13_n)
-    w2_ref, w2_windows = _row_spans(s2)
+
     return PreparedExperts(
         w13=w13_n, w13_scale=s13_n, w2=w2.contiguous(), w2_scale=s2.contiguous(),
-        w13_ref=w13_ref, w13_windows=w13_windows, w2_ref=w2_ref, w2_windows=w2_windows,
+        w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
         source_layout=w13_layout, source_scale_dtypes=(w13_scale.dtype, w2_scale.dtype),
-        max_windows=int(max(w13_windows.max(), w2_windows.max())) if E else 1,
     )
 
 

@@ -128,7 +128,7 @@ def test_expert_map(precision):
 def test_scale_extremes(pattern, precision):
     ex = gpu_experts(32, 1024, 512, **{pattern: True})
     if pattern == "wide_span":
-        assert ex.max_windows >= 3
+        assert (ex.w13_scale.amax(-1).int() - ex.w13_scale.amin(-1).int()).max() == 30
     x = torch.randn(128, 1024, device="cuda").bfloat16()
     ids, w = routing(128, 4, 32)
     check(ex, x, ids, w, precision)
@@ -187,26 +187,28 @@ def test_graph_replay_bitwise(T):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_weight_conversion_matches_plain_twin(fp8):
-    """The GPU weight conversion gives the same bits as the plain-Triton twin (all codes, all folds)."""
+    """The inline-asm weight conversions give the same bits as their plain-Triton twins (all codes, all folds)."""
     import triton
     import triton.language as tl
 
-    from mxmoe._details.gemm import _convert_weights
+    from mxmoe._details.gemm import _bf16_weights, _e4m3_weights
 
     @triton.jit
     def convert(w_ptr, d_ptr, out_ptr, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
         rows = tl.arange(0, BM)
         packed = tl.load(w_ptr + rows[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
-        d = tl.load(d_ptr + rows[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
-        w = _convert_weights(packed, d, FP8, BM, BK, PURE)
-        tl.store(out_ptr + rows[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.uint8 if FP8 else tl.uint16, bitcast=True))
+        if FP8:
+            bits = _e4m3_weights(packed, BM, PURE).to(tl.uint8, bitcast=True)
+        else:
+            d = tl.load(d_ptr + rows[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
+            bits = _bf16_weights(packed, d, BM, BK, PURE).to(tl.uint16, bitcast=True)
+        tl.store(out_ptr + rows[:, None] * BK + tl.arange(0, BK)[None, :], bits)
 
-    BM, BK = 64, 128
+    BM, BK = 64, 32 if fp8 else 128
     g = torch.Generator(device="cuda").manual_seed(3)
     packed = torch.randint(0, 256, (BM, BK // 2), generator=g, dtype=torch.uint8, device="cuda")
-    packed[0] = torch.arange(64, dtype=torch.uint8, device="cuda") * 4  # every code in both nibbles
-    lo, hi = (-10, 8) if fp8 else (-140, 0)
-    d = torch.randint(lo, hi + 1, (BM, BK // 32), generator=g, dtype=torch.int32, device="cuda")
+    packed[:16].view(-1)[:256] = torch.arange(256, device="cuda").to(torch.uint8)  # every byte value
+    d = torch.randint(-140, 1, (BM, BK // 32), generator=g, dtype=torch.int32, device="cuda")
     dtype = torch.uint8 if fp8 else torch.int16
     fast, plain = (torch.empty(BM, BK, dtype=dtype, device="cuda") for _ in range(2))
     convert[(1,)](packed, d, fast, FP8=fp8, BM=BM, BK=BK, PURE=False, num_warps=4)

@@ -63,7 +63,7 @@ def test_kernels_match_emulation(case, precision):
     extra = dict(extra)
     ex = experts(E, H, I, biases=extra.pop("biases", False), pattern=extra.pop("pattern", None))
     if case == "wide_span":
-        assert ex.max_windows == 3  # 30-binade rows need three W4A8 passes
+        assert (ex.w13_scale.amax(-1).int() - ex.w13_scale.amin(-1).int()).max() == 30  # 30-binade rows
     g = torch.Generator().manual_seed(7)
     x = torch.randn(T, H, generator=g).bfloat16()
     ids = torch.randint(0, E, (T, top_k), generator=g, dtype=torch.int32)

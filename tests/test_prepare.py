@@ -118,7 +118,7 @@ def test_memory_reports_4_25_bits_per_weight():
     assert mem["weights"] == n_weights // 2
     assert mem["scales"] == n_weights // 32
     assert mem["bits_per_weight"] == pytest.approx(4.25)
-    assert mem["row_metadata"] == E * (2 * I + H) * 8  # ref + windows, int32 each
+    assert mem["row_metadata"] == E * (2 * I + H) * 4  # one int32 reference exponent per row
     assert 4.25 < mem["bits_per_weight_all"] < 5.5
     assert mem["total"] == mem["weights"] + mem["scales"] + mem["row_metadata"] + mem["biases"]
 
@@ -126,8 +126,8 @@ def test_memory_reports_4_25_bits_per_weight():
 # ----------------------------------------------------------------------------- row spans
 
 
-@pytest.mark.parametrize("span,windows", [(0, 1), (1, 1), (14, 1), (15, 2), (29, 2), (30, 3), (100, 7)])
-def test_row_windows_for_hand_made_spans(span, windows):
+@pytest.mark.parametrize("span", [0, 1, 14, 15, 30, 100])
+def test_row_ref_for_hand_made_spans(span):
     # K = 128: four scale blocks per row, so the span sits between blocks 1 and 3
     h, i = 128, 128
     w13 = torch.zeros(1, 2 * i, h // 2, dtype=torch.uint8)
@@ -142,19 +142,12 @@ def test_row_windows_for_hand_made_spans(span, windows):
     s2[0, 7] = lo
     s2[0, 7, 1] = lo + span
     experts = prepare_weights(w13, s13, w2, s2, w13_layout="interleaved")
-    expect13 = torch.ones(1, 2 * i, dtype=torch.int32)
-    expect13[0, i + 2] = windows
-    expect2 = torch.ones(1, h, dtype=torch.int32)
-    expect2[0, 7] = windows
-    assert experts.w13_windows.dtype == torch.int32 and experts.w2_windows.dtype == torch.int32
-    assert torch.equal(experts.w13_windows, expect13)
-    assert torch.equal(experts.w2_windows, expect2)
+    assert experts.w13_ref.dtype == torch.int32 and experts.w2_ref.dtype == torch.int32
     assert experts.w13_ref[0, i + 2].item() == lo + span
     assert experts.w2_ref[0, 7].item() == lo + span
     others = torch.ones(2 * i, dtype=torch.bool)
     others[i + 2] = False
     assert (experts.w13_ref[0, others] == 120).all()
-    assert experts.max_windows == windows
 
 
 def test_row_ref_is_largest_scale_byte():
@@ -162,8 +155,6 @@ def test_row_ref_is_largest_scale_byte():
     experts = prepare_weights(**src, w13_layout="up_gate")
     assert torch.equal(experts.w13_ref, experts.w13_scale.amax(-1).to(torch.int32))
     assert torch.equal(experts.w2_ref, src["w2_scale"].amax(-1).to(torch.int32))
-    span = (experts.w13_scale.amax(-1).int() - experts.w13_scale.amin(-1).int())
-    assert torch.equal(experts.w13_windows, span // 15 + 1)
 
 
 # ----------------------------------------------------------------------------- errors

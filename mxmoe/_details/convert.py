@@ -130,3 +130,19 @@ def bf16_block_factor(d):
     """BF16 2**(126 + d) for int32 d <= 0 (0 where that underflows): times the 2**-126 placement gives 2**d."""
     exp = tl.maximum(253 + d, 0)
     return (exp << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1x8_to_e4m3_scaled_by_2pow_minus6(packed):
+    """uint8 [.., n] -> (low-nibble, high-nibble) E4M3 bits (uint8) of the E2M1 values times 2**-6.
+
+    Bit placement only: sign to bit 7, ``eem`` to bits 4..2 (code 1 becomes the E4M3
+    subnormal 2**-7). Plain twin: ``e2m1_to_e4m3(codes, -6)``.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, v;
+        and.b32 u, $2, 0x07070707; shl.b32 u, u, 2; and.b32 v, $2, 0x08080808; shl.b32 v, v, 4; or.b32 $0, u, v;
+        and.b32 u, $2, 0x70707070; shr.b32 u, u, 2; and.b32 v, $2, 0x80808080; or.b32 $1, u, v;
+        }""",
+        constraints="=r,=r,r", args=[packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)

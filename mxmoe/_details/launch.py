@@ -50,11 +50,12 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
     bt = tile_rows_for(rows, num_experts)
     # 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
     # (Triton 3.6 waits for each wgmma); measured on the H200 (docs/perf-notes.md)
-    # W4A8 promotes the FP8 MMA's partial sums every K-tile: 64 keeps it within the 0.5% of SPEC §5
-    cfg = dict(block_rows=bt, block_m=64, block_k=128 if bt <= 32 and not fp8 else 64, num_warps=4, num_stages=3)
-    if fp8 and bt == 128:  # W4A8 keeps a partial and a running accumulator: 8 warps to hold both
-        cfg["num_warps"] = 8
+    cfg = dict(block_rows=bt, block_m=64, block_k=128 if bt <= 32 else 64, num_warps=4, num_stages=3)
+    if fp8:  # one FP8 MMA per K32 block (its scale multiplies the partial sum); 8 warps hold both accumulators
+        cfg.update(block_k=32, num_stages=4, num_warps=8 if bt == 128 else 4)
     cfg.update(override or {})
+    if fp8 and cfg["block_k"] != 32:
+        raise ValueError("W4A8 tiles are one K32 scale block deep (block_k=32)")
     while n % cfg["block_m"]:
         cfg["block_m"] //= 2
     while k % cfg["block_k"]:
@@ -146,18 +147,17 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
     return ws
 
 
-def _gemm(a, a_scale, w, w_scale, w_ref, w_win, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-          gemm1, swigluoai, fp8, multi_window, cfg: GemmConfig):
+def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
+          gemm1, swigluoai, fp8, cfg: GemmConfig):
     grid = (n // cfg.block_m, pack.tile_expert.numel())
     moe_gemm_kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
-        w, w_scale, w_ref, w_win, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
+        w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
         pack.sorted_routes, pack.tile_expert, pack.num_tiles,
         out, out.stride(0), topk_weights,
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
         BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=pure_triton(), NUM_STAGES=cfg.num_stages,
-        MULTI_WINDOW=fp8 and multi_window,
         num_warps=cfg.num_warps,
     )
 
@@ -190,23 +190,22 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
     max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"
-    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8,
-                  multi_window=experts.max_windows > 1)
+    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8)
     if fp8:
         x_q, x_scale = workspace.x_q[:T], workspace.x_scale[:T]
         _quantize_rows(x, x_q, x_scale)
         inter = workspace.intermediate[: max_rows * I * 4].view(torch.float32).view(max_rows, I)
-        _gemm(x_q, x_scale, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_windows, experts.w13_global_scale,
+        _gemm(x_q, x_scale, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
               experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
         a2, a2_scale = workspace.inter_q[:max_rows], workspace.inter_scale[:max_rows]
         _quantize_rows(inter, a2, a2_scale, row_valid=pack.sorted_routes)
     else:
         inter = workspace.intermediate[: max_rows * I * 2].view(torch.bfloat16).view(max_rows, I)
-        _gemm(x, None, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_windows, experts.w13_global_scale,
+        _gemm(x, None, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
               experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
         a2, a2_scale = inter, None
     routed = workspace.routed_out[:R]
-    _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_windows, experts.w2_global_scale,
+    _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
           experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
     block_h = min(triton.next_power_of_2(H), 1024)
     topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot, out, H, top_k, BLOCK_H=block_h,

@@ -44,18 +44,16 @@ def _ptxas() -> str:
     return get_ptxas(90).path
 
 
-def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
-                 multi_window: bool = False):
+def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False):
     """``triton.compile`` the GEMM template for sm_90a with the given constexprs."""
     a_ty = "*fp8e4nv" if fp8 else "*bf16"
     out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
-    sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32", win_ptr="*i32",
+    sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32",
                gscale_ptr="*fp32", bias_ptr="*fp32", sorted_routes_ptr="*i32", tile_expert_ptr="*i32",
                num_tiles_ptr="*i32", out_ptr=out_ty, stride_out="i32", topk_weights_ptr="*fp32",
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
-                 BT=cfg.block_rows, BK=cfg.block_k, PURE=False, NUM_STAGES=cfg.num_stages,
-                 MULTI_WINDOW=fp8 and multi_window)
+                 BT=cfg.block_rows, BK=cfg.block_k, PURE=False, NUM_STAGES=cfg.num_stages)
     names = list(moe_gemm_kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
