@@ -11,23 +11,19 @@ Which code runs where:
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
+from ._details import interpreting
 from .prepare import PreparedExperts
 from .reference import ACTIVATIONS, activation_params, fused_moe_reference
 from .selection import select_precision
 
 
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def kernel_backend(device: torch.device) -> str:
     """``"triton"`` where the kernels run (CUDA, or CPU under the interpreter), else ``"reference"``."""
-    return "triton" if device.type == "cuda" or triton_interpreting() else "reference"
+    return "triton" if device.type == "cuda" or interpreting() else "reference"
 
 
 def _check_tensor(t, name, dtypes, dim, device):

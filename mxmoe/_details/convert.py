@@ -4,7 +4,12 @@ E2M1 code c = sign(bit 3) | exponent e (bits 2..1) | mantissa m (bit 0). For e >
 value is 2**(e-1) * (1 + m/2), for e = 0, m = 1 it is 0.5 = 2**-1 with no mantissa: in
 both cases the exponent is ``e - 1`` with the effective mantissa ``m * (e > 0)``. So an
 E2M1 value times ``2**d`` has biased exponent ``e + bias - 1 + d`` in any wider format,
-which lets us build BF16 or E4M3 bits directly, the block scale folded in exactly.
+which lets us build BF16 bits directly, the block scale folded in exactly. Placing ``eem``
+under a wider format's low exponent bits gives the value times a fixed power of two (code 1
+lands on that format's subnormal 2**-1 step), which is all the inline-asm forms do.
+
+Each inline-asm form has a plain-Triton twin (the interpreter cannot run asm), and the GPU
+test ``test_weight_conversion_matches_plain_twin`` checks they give the same bits.
 """
 import triton
 import triton.language as tl
@@ -35,21 +40,10 @@ def e2m1_to_bf16(codes, d):
 
 
 @triton.jit
-def e2m1_to_e4m3(codes, d):
-    """E2M1 codes times 2**d as exact E4M3 bits (uint8) for d in [-8, 6]; other d -> 0.
-
-    Exponents that fall below E4M3's normals become subnormals: mantissa (2 + m) << (exp + 1),
-    exact on [-8, 6] because the low mantissa bit is never shifted out there.
-    """
-    e = (codes >> 1) & 3
-    m = codes & (e > 0).to(tl.int32)
-    exp = e + 6 + d
-    normal = (exp << 3) | (m << 2)
-    sub = ((2 + m) << 1) >> tl.minimum(tl.maximum(-exp, 0), 3)  # exp in {0, -1, -2}: (2+m) << (exp+1)
-    bits = tl.where(exp > 0, normal, sub)
-    keep = ((codes & 7) != 0) & (d >= -8) & (d <= 6)
-    bits = tl.where(keep, bits, 0) | ((codes & 8) << 4)
-    return bits.to(tl.uint8)
+def e2m1_to_e4m3_scaled_by_2pow_minus6(codes):
+    """E2M1 codes (int32) -> E4M3 bits (uint8) of the value times 2**-6: sign to bit 7, ``eem``
+    to bits 4..2 (code 1, 0.5, becomes the E4M3 subnormal 2**-7). Exact for every code."""
+    return (((codes & 7) << 2) | ((codes & 8) << 4)).to(tl.uint8)
 
 
 @triton.jit
@@ -137,7 +131,7 @@ def e2m1x8_to_e4m3_scaled_by_2pow_minus6(packed):
     """uint8 [.., n] -> (low-nibble, high-nibble) E4M3 bits (uint8) of the E2M1 values times 2**-6.
 
     Bit placement only: sign to bit 7, ``eem`` to bits 4..2 (code 1 becomes the E4M3
-    subnormal 2**-7). Plain twin: ``e2m1_to_e4m3(codes, -6)``.
+    subnormal 2**-7). Plain twin: ``e2m1_to_e4m3_scaled_by_2pow_minus6``.
     """
     return tl.inline_asm_elementwise(
         asm="""{

@@ -12,7 +12,7 @@ is applied in the epilogue.
 import triton
 import triton.language as tl
 
-from .convert import (bf16_block_factor, e2m1_to_bf16, e2m1_to_e4m3, e2m1x8_to_bf16_scaled_by_2pow126,
+from .convert import (bf16_block_factor, e2m1_to_bf16, e2m1_to_e4m3_scaled_by_2pow_minus6, e2m1x8_to_bf16_scaled_by_2pow126,
                       e2m1x8_to_e4m3_scaled_by_2pow_minus6, expand_blocks, pow2, store_rounded, unpack_nibbles)
 
 
@@ -32,7 +32,7 @@ def _e4m3_weights(packed, BM: tl.constexpr, PURE: tl.constexpr):
     """[BM, 16] packed E2M1 (one K32 block) -> [BM, 32] E4M3 values times 2**-6 (exact)."""
     if PURE:
         codes = unpack_nibbles(packed, BM, 32)
-        return e2m1_to_e4m3(codes, tl.full(codes.shape, -6, tl.int32)).to(tl.float8e4nv, bitcast=True)
+        return e2m1_to_e4m3_scaled_by_2pow_minus6(codes).to(tl.float8e4nv, bitcast=True)
     else:
         lo, hi = e2m1x8_to_e4m3_scaled_by_2pow_minus6(packed)
         return tl.join(lo, hi).reshape(BM, 32).to(tl.float8e4nv, bitcast=True)

@@ -6,13 +6,13 @@ route pack (2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 + activatio
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 
+from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
 from ..prepare import PreparedExperts
 from ..routing import RoutePack, route_pack_capacity
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
@@ -21,11 +21,6 @@ from .routing_kernels import route_count_kernel, route_offsets_kernel, route_sca
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 ROUTE_BLOCK = 1024
-
-
-def pure_triton() -> bool:
-    """Interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -157,7 +152,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         out, out.stride(0), topk_weights,
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
-        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=pure_triton(), NUM_STAGES=cfg.num_stages,
+        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=interpreting(), NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
     )
 
@@ -166,7 +161,7 @@ def _quantize_rows(x, q, scale, row_valid=None):
     K = x.shape[1]
     quantize_rows_kernel[(x.shape[0],)](x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale,
                                         K, CHECK_ROWS=row_valid is not None,
-                                        BLOCK_K=min(triton.next_power_of_2(K), 2048), PURE=pure_triton(), num_warps=4)
+                                        BLOCK_K=min(triton.next_power_of_2(K), 2048), PURE=interpreting(), num_warps=4)
 
 
 def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
@@ -209,5 +204,5 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
           experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
     block_h = min(triton.next_power_of_2(H), 1024)
     topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot, out, H, top_k, BLOCK_H=block_h,
-                                                         PURE=pure_triton(), num_warps=4)
+                                                         PURE=interpreting(), num_warps=4)
     return out
