@@ -41,6 +41,7 @@ from typing import Callable, Mapping, Optional, Sequence, TextIO
 import torch
 
 from . import check as checks
+from ._details.launch import Workspace
 from .format import dequantize_mxfp4
 from .moe import fused_moe
 from .prepare import PreparedExperts
@@ -401,24 +402,14 @@ class MxmoeArm(Arm):
         self.what = ("mxmoe.fused_moe, everything included (route pack, both GEMMs, activation, top-k sum)"
                      + ("; timed eagerly since graph capture runs W4A16" if precision == "w4a8" else ""))
         self.workspace = None
-        self.workspace_note = ""
 
     def prepare(self, experts, shape, max_tokens):
         self.experts = experts
-        ws_cls = getattr(sys.modules["mxmoe"], "Workspace", None)
-        if ws_cls is None:
-            self.workspace, self.workspace_note = None, "no mxmoe.Workspace: cached workspace, captured after warm-up"
-            return
-        try:
-            self.workspace = ws_cls(experts, max_tokens, shape.top_k)
-        except Exception as exc:
-            self.workspace, self.workspace_note = None, f"mxmoe.Workspace failed ({type(exc).__name__}: {exc})"
+        self.workspace = Workspace(experts, max_tokens, shape.top_k)  # planned scratch, as a server would
 
     def make_call(self, inp):
         out = torch.empty_like(inp.x)
-        kw = dict(precision=self.precision, out=out)
-        if self.workspace is not None:
-            kw["workspace"] = self.workspace
+        kw = dict(precision=self.precision, out=out, workspace=self.workspace)
         x, experts, w, ids = inp.x, self.experts, inp.topk_weights, inp.topk_ids
         _, ran = fused_moe(x, experts, w, ids, return_precision=True, **kw)
         self.ran = ran
@@ -750,8 +741,6 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
             progress(f"preparing {arm.name}")
             arm.prepare(experts, shape, max(cfg.tokens))
             info["status"] = "ok"
-            if getattr(arm, "workspace_note", ""):
-                info["note"] = arm.workspace_note
             arms.append(arm)
         except Exception as exc:
             info["status"] = f"error: {type(exc).__name__}: {exc}"
