@@ -1,6 +1,7 @@
 """Compile the GEMM kernels for sm_90a on the CPU: tensor-core MMA (wgmma) in the SASS, no spills.
 
-Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill. The
+Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill (plain
+template), and prefill for the warp-specialized Gluon kernel (opt-in, ``MXMOE_KERNEL=gluon``). The
 compile runs in a subprocess without TRITON_INTERPRET (which the CPU test session sets, and
 which makes the kernels interpreter objects at import).
 """
@@ -22,10 +23,11 @@ def reports():
 
 
 def test_every_config_compiled(reports):
-    assert len(reports) == 8
+    assert len(reports) == 12
+    assert sum(r["kernel"] == "gluon" for r in reports) == 4
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(12))
 def test_gemm_uses_wgmma_without_spills(reports, index):
     r = reports[index]
     expected = "QGMMA" if r["fp8"] else "HGMMA"

@@ -98,6 +98,23 @@ def store_rounded(ptrs, v, mask, PURE: tl.constexpr):
 
 # ---- inline-asm forms for the GPU (the interpreter cannot run them; see the plain twins above) ----
 
+# The asm texts are shared with the Gluon kernel (gemm_sm90); documented on the functions below.
+E2M1X8_TO_BF16_ASM = tl.constexpr("""{
+        .reg .b32 t0, t1, u, v;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 u, t0, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 12; and.b32 v, v, 0x80008000; or.b32 $0, u, v;
+        shl.b32 u, t1, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 12; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
+        shl.b32 u, t0, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 8;  and.b32 v, v, 0x80008000; or.b32 $2, u, v;
+        shl.b32 u, t1, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 8;  and.b32 v, v, 0x80008000; or.b32 $3, u, v;
+        }""")
+E2M1X8_TO_E4M3_ASM = tl.constexpr("""{
+        .reg .b32 u, v;
+        and.b32 u, $2, 0x07070707; shl.b32 u, u, 2; and.b32 v, $2, 0x08080808; shl.b32 v, v, 4; or.b32 $0, u, v;
+        and.b32 u, $2, 0x70707070; shr.b32 u, u, 2; and.b32 v, $2, 0x80808080; or.b32 $1, u, v;
+        }""")
+
+
 @triton.jit
 def e2m1x8_to_bf16_scaled_by_2pow126(packed):
     """uint8 [.., n] (two E2M1 per byte) -> (low-nibble values, high-nibble values) as BF16 times 2**-126.
@@ -107,15 +124,7 @@ def e2m1x8_to_bf16_scaled_by_2pow126(packed):
     into 16-bit lanes; shifts and masks place the nibbles (ptxas fuses them into LOP3).
     """
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, u, v;
-        prmt.b32 t0, $4, 0, 0x4140;
-        prmt.b32 t1, $4, 0, 0x4342;
-        shl.b32 u, t0, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 12; and.b32 v, v, 0x80008000; or.b32 $0, u, v;
-        shl.b32 u, t1, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 12; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
-        shl.b32 u, t0, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 8;  and.b32 v, v, 0x80008000; or.b32 $2, u, v;
-        shl.b32 u, t1, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 8;  and.b32 v, v, 0x80008000; or.b32 $3, u, v;
-        }""",
+        asm=E2M1X8_TO_BF16_ASM,
         constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
@@ -134,9 +143,5 @@ def e2m1x8_to_e4m3_scaled_by_2pow_minus6(packed):
     subnormal 2**-7). Plain twin: ``e2m1_to_e4m3_scaled_by_2pow_minus6``.
     """
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 u, v;
-        and.b32 u, $2, 0x07070707; shl.b32 u, u, 2; and.b32 v, $2, 0x08080808; shl.b32 v, v, 4; or.b32 $0, u, v;
-        and.b32 u, $2, 0x70707070; shr.b32 u, u, 2; and.b32 v, $2, 0x80808080; or.b32 $1, u, v;
-        }""",
+        asm=E2M1X8_TO_E4M3_ASM,
         constraints="=r,=r,r", args=[packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)

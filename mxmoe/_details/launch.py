@@ -6,6 +6,7 @@ route pack (2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 + activatio
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,25 +31,66 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    kernel: str = "triton"  # "triton": gemm.moe_gemm_kernel; "gluon": gemm_sm90.moe_gemm_ws_kernel (sm90)
+    maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
+    loader_regs: int = 56
+    converter_regs: int = 112
 
 
-def tile_rows_for(rows: int, num_experts: int) -> int:
+def kernel_choice(device: torch.device) -> str:
+    """``MXMOE_KERNEL`` (auto | triton | gluon; default auto = triton): the GEMM kernel on CUDA.
+
+    The warp-specialized Gluon kernel (``gemm_sm90``, sm90 only) is correct but not yet faster
+    than the plain-Triton template on the H200 (docs/perf-notes.md), so it is opt-in. The
+    interpreter and CPU always run the plain template.
+    """
+    choice = os.environ.get("MXMOE_KERNEL", "auto")
+    if choice not in ("auto", "triton", "gluon"):
+        raise ValueError(f"MXMOE_KERNEL must be auto, triton or gluon, got {choice!r}")
+    if choice != "gluon" or interpreting() or device.type != "cuda":
+        return "triton"
+    if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernel() is None:
+        raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
+    return "gluon"
+
+
+def _gluon_kernel():
+    try:
+        from .gemm_sm90 import moe_gemm_ws_kernel
+    except ImportError:  # a Triton without Gluon
+        return None
+    return moe_gemm_ws_kernel
+
+
+def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1]) -> int:
     """Route-pack tile height for ``rows`` routed rows: small tiles where experts see few rows."""
     per_expert = rows / max(num_experts, 1)
     for bt in TILE_ROWS:
-        if per_expert <= bt:
+        if per_expert <= bt or bt >= cap:
             return bt
     return TILE_ROWS[-1]
 
 
-def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None) -> GemmConfig:
+def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
+                kernel: str = "triton") -> GemmConfig:
+    override = dict(override or {})
+    kernel = override.pop("kernel", kernel)
+    if kernel == "gluon":
+        if k % 64 or n % 64:
+            raise ValueError("the Gluon kernel needs N and K multiples of 64")
+        # W4A8 keeps two FP8 partial-sum sets besides both accumulators: 64-row tiles (docs/perf-notes.md)
+        bt = tile_rows_for(rows, num_experts, cap=64 if fp8 else 128)
+        cfg = dict(block_rows=bt, block_m=64, block_k=128 if fp8 and k % 128 == 0 else 64, num_warps=4,
+                   num_stages=4, kernel="gluon", loader_regs=56, converter_regs=112)
+        cfg.update(override)
+        return GemmConfig(**cfg)
     bt = tile_rows_for(rows, num_experts)
     # 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
     # (Triton 3.6 waits for each wgmma); measured on the H200 (docs/perf-notes.md)
     cfg = dict(block_rows=bt, block_m=64, block_k=128 if bt <= 32 else 64, num_warps=4, num_stages=3)
     if fp8:  # one FP8 MMA per K32 block (its scale multiplies the partial sum); 8 warps hold both accumulators
         cfg.update(block_k=32, num_stages=4, num_warps=8 if bt == 128 else 4)
-    cfg.update(override or {})
+    cfg.update(override)
     if fp8 and cfg["block_k"] != 32:
         raise ValueError("W4A8 tiles are one K32 scale block deep (block_k=32)")
     while n % cfg["block_m"]:
@@ -145,15 +187,24 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig):
     grid = (n // cfg.block_m, pack.tile_expert.numel())
-    moe_gemm_kernel[grid](
+    extra = {}
+    if cfg.kernel == "gluon":
+        kernel = _gluon_kernel()
+        extra = dict(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)  # no interpreter form
+        if cfg.maxnreg:
+            extra["maxnreg"] = cfg.maxnreg
+    else:
+        kernel = moe_gemm_kernel
+        extra = dict(PURE=interpreting())
+    kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
         w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
         pack.sorted_routes, pack.tile_expert, pack.num_tiles,
         out, out.stride(0), topk_weights,
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
-        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, PURE=interpreting(), NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, **extra,
     )
 
 
@@ -180,8 +231,11 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
         raise ValueError(f"workspace is too small or for other shapes (sized for {workspace.max_tokens} tokens, "
                          f"top_k {workspace.top_k}, fp8={workspace.fp8}; this call: {T} tokens, top_k {top_k}, fp8={fp8})")
     R = T * top_k
-    cfg1 = gemm_config(R, E, I, H, fp8, config_override)
-    cfg2 = gemm_config(R, E, H, I, fp8, config_override)
+    kernel = kernel_choice(x.device)
+    if kernel == "gluon" and (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8):
+        kernel = "triton"  # whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
+    cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel)
+    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel)
     pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
     max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"

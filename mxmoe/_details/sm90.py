@@ -45,7 +45,7 @@ def _ptxas() -> str:
 
 
 def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False):
-    """``triton.compile`` the GEMM template for sm_90a with the given constexprs."""
+    """``triton.compile`` the GEMM template (``cfg.kernel``: plain Triton or Gluon) for sm_90a."""
     a_ty = "*fp8e4nv" if fp8 else "*bf16"
     out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
     sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32",
@@ -54,12 +54,23 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
                  BT=cfg.block_rows, BK=cfg.block_k, PURE=False, NUM_STAGES=cfg.num_stages)
-    names = list(moe_gemm_kernel.arg_names)
+    kernel, source = moe_gemm_kernel, ASTSource
+    if cfg.kernel == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from .gemm_sm90 import moe_gemm_ws_kernel
+        kernel, source = moe_gemm_ws_kernel, GluonASTSource
+        del const["PURE"]
+        const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+    names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
     sig.update({c: "constexpr" for c in const})
-    src = ASTSource(moe_gemm_kernel, sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+    options = dict(num_warps=cfg.num_warps)
+    if cfg.maxnreg:
+        options["maxnreg"] = cfg.maxnreg
+    return triton.compile(source(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 
 
 def report(kernel) -> KernelReport:
@@ -78,18 +89,20 @@ def report(kernel) -> KernelReport:
     return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir)
 
 
-def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536)) -> list:
-    """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs, both precisions)."""
+def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,)) -> list:
+    """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs, both precisions; the plain
+    template at every ``rows``, the Gluon kernel at ``gluon_rows``)."""
     from .launch import gemm_config
 
     out = []
-    for fp8 in (False, True):
-        for gemm1 in (True, False):
-            for r in rows:
+    cases = [(kernel, r) for kernel, rs in (("triton", rows), ("gluon", gluon_rows)) for r in rs]
+    for kernel, r in cases:
+        for fp8 in (False, True):
+            for gemm1 in (True, False):
                 n, k = (I, H) if gemm1 else (H, I)
-                cfg = gemm_config(r, E, n, k, fp8)
+                cfg = gemm_config(r, E, n, k, fp8, kernel=kernel)
                 rep = report(compile_gemm(gemm1, fp8, cfg))
-                out.append(dict(fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
+                out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
                                 spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
                                 async_copies=rep.async_copies))
     return out
