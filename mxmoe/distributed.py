@@ -138,6 +138,12 @@ def _packed_shapes(w13, w13_scale, w2, w2_scale):
     return E, H, I
 
 
+def _check_shard_args(rank: int, world_size: int, w13_layout: str) -> None:
+    _check_world(rank, world_size)
+    if w13_layout not in W13_LAYOUTS:
+        raise ValueError(f"w13_layout must be one of {W13_LAYOUTS}, got {w13_layout!r}")
+
+
 def _move(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
     if t is None:
         return None
@@ -174,9 +180,7 @@ def tp_shard_weights(
     when given. Raises ``ValueError`` when ``world_size`` does not divide ``I`` or
     ``I/world_size`` is not a multiple of 32.
     """
-    _check_world(rank, world_size)
-    if w13_layout not in W13_LAYOUTS:
-        raise ValueError(f"w13_layout must be one of {W13_LAYOUTS}, got {w13_layout!r}")
+    _check_shard_args(rank, world_size, w13_layout)
     E, H, I = _packed_shapes(w13, w13_scale, w2, w2_scale)
     if I % world_size:
         raise ValueError(f"tensor parallelism: world size {world_size} does not divide the intermediate size I = {I}")
@@ -229,9 +233,7 @@ def ep_shard_weights(
     """Rank ``rank``'s expert-parallel slice: experts ``[rank*E/w, (rank+1)*E/w)`` of every
     per-expert tensor, as keyword arguments for :func:`mxmoe.prepare_weights`. Raises
     ``ValueError`` when ``world_size`` does not divide ``E``."""
-    _check_world(rank, world_size)
-    if w13_layout not in W13_LAYOUTS:
-        raise ValueError(f"w13_layout must be one of {W13_LAYOUTS}, got {w13_layout!r}")
+    _check_shard_args(rank, world_size, w13_layout)
     E, _, _ = _packed_shapes(w13, w13_scale, w2, w2_scale)
     if E % world_size:
         raise ValueError(f"expert parallelism: world size {world_size} does not divide the number of experts E = {E}")

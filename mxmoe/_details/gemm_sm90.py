@@ -76,14 +76,13 @@ def _loader(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, N, K, num_
         rows = slots.to(gl.int64)
     ak = gl.arange(0, 32, layout=gl.SliceLayout(0, AL))
     a_ptrs = a_ptr + rows[:, None] * stride_a + ak[None, :]
-    a_mask = ok[:, None] & (ak[None, :] >= 0)
     for i in range(num_k):
         s = i % NUM_STAGES
         mbarrier.wait(consumed.index(s), ((i // NUM_STAGES) & 1) ^ 1)
         for h in gl.static_range(NH):
             async_copy.async_copy_global_to_shared(packed.index(s * NH + h), w_ptrs + h * N * (K // 2) + i * (BK // 2))
         for c in gl.static_range(NC):
-            async_copy.async_copy_global_to_shared(act.index(s * NC + c), a_ptrs + (i * BK + c * 32), mask=a_mask)
+            async_copy.async_copy_global_to_shared(act.index(s * NC + c), a_ptrs + (i * BK + c * 32), mask=ok[:, None])
         # every loader thread arrives once its own copies have landed (count = loader threads)
         async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
 
@@ -172,6 +171,28 @@ def _converter(s_ptr, ref_ptr, w_row0, N, K, num_k,
 
 
 @gluon.jit
+def _issue_block(wg, wu, xb, pg, pu, NH: gl.constexpr):
+    """Start one K32 block's FP8 MMAs from zero (gate, and up for GEMM1) into the partial set (pg, pu)."""
+    pg = warpgroup_mma(wg, xb, pg, use_acc=False, is_async=True)
+    if NH == 2:
+        pu = warpgroup_mma(wu, xb, pu, use_acc=False, is_async=True)
+    return pg, pu
+
+
+@gluon.jit
+def _retire_block(num_outstanding: gl.constexpr, pg, pu, acc_g, acc_u, fg, fu, NH: gl.constexpr):
+    """Wait until at most ``num_outstanding`` MMAs run (the older partial set is done), then add it,
+    times its block factors, into the FP32 accumulators."""
+    if NH == 2:
+        pg, pu = warpgroup_mma_wait(num_outstanding, deps=(pg, pu))
+        acc_u += pu * fu[:, None]
+    else:
+        pg = warpgroup_mma_wait(num_outstanding, deps=(pg, ))
+    acc_g += pg * fg[:, None]
+    return pg, pu, acc_g, acc_u
+
+
+@gluon.jit
 def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
                       expert, w_row0, n0, slot0, N, K, top_k, limit, alpha, num_k,
                       wconv, act, factors, loaded, converted, consumed,
@@ -206,34 +227,17 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
                 wg = wconv.index((s * NH) * NC + c)
                 wu = wconv.index((s * NH + NH - 1) * NC + c)
                 if c % 2 == 0:
-                    pg0 = warpgroup_mma(wg, xb, pg0, use_acc=False, is_async=True)
-                    if NH == 2:
-                        pu0 = warpgroup_mma(wu, xb, pu0, use_acc=False, is_async=True)
-                        pg1, pu1 = warpgroup_mma_wait(NH, deps=(pg1, pu1))
-                        acc_u += pu1 * fu[:, None]
-                    else:
-                        pg1 = warpgroup_mma_wait(NH, deps=(pg1, ))
-                    acc_g += pg1 * fg[:, None]
+                    pg0, pu0 = _issue_block(wg, wu, xb, pg0, pu0, NH)
+                    pg1, pu1, acc_g, acc_u = _retire_block(NH, pg1, pu1, acc_g, acc_u, fg, fu, NH)
                 else:
-                    pg1 = warpgroup_mma(wg, xb, pg1, use_acc=False, is_async=True)
-                    if NH == 2:
-                        pu1 = warpgroup_mma(wu, xb, pu1, use_acc=False, is_async=True)
-                        pg0, pu0 = warpgroup_mma_wait(NH, deps=(pg0, pu0))
-                        acc_u += pu0 * fu[:, None]
-                    else:
-                        pg0 = warpgroup_mma_wait(NH, deps=(pg0, ))
-                    acc_g += pg0 * fg[:, None]
+                    pg1, pu1 = _issue_block(wg, wu, xb, pg1, pu1, NH)
+                    pg0, pu0, acc_g, acc_u = _retire_block(NH, pg0, pu0, acc_g, acc_u, fg, fu, NH)
                 if c == 0:  # the previous stage's last MMA has finished: its buffers are free
                     mbarrier.arrive(consumed.index((i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
                 fg = factors.index((s * NH) * NC + c).load(ROWS)
                 if NH == 2:
                     fu = factors.index((s * NH + 1) * NC + c).load(ROWS)
-        if NH == 2:
-            pg1, pu1 = warpgroup_mma_wait(0, deps=(pg1, pu1))
-            acc_u += pu1 * fu[:, None]
-        else:
-            pg1 = warpgroup_mma_wait(0, deps=(pg1, ))
-        acc_g += pg1 * fg[:, None]
+        pg1, pu1, acc_g, acc_u = _retire_block(0, pg1, pu1, acc_g, acc_u, fg, fu, NH)
     else:
         for i in range(num_k):
             s = i % NUM_STAGES

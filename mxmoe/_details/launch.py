@@ -6,6 +6,7 @@ route pack (2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 + activatio
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -54,6 +55,7 @@ def kernel_choice(device: torch.device) -> str:
     return "gluon"
 
 
+@functools.cache
 def _gluon_kernel():
     try:
         from .gemm_sm90 import moe_gemm_ws_kernel

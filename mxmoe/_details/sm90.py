@@ -53,15 +53,16 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                num_tiles_ptr="*i32", out_ptr=out_ty, stride_out="i32", topk_weights_ptr="*fp32",
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
-                 BT=cfg.block_rows, BK=cfg.block_k, PURE=False, NUM_STAGES=cfg.num_stages)
-    kernel, source = moe_gemm_kernel, ASTSource
+                 BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages)
     if cfg.kernel == "gluon":
         from triton.experimental.gluon._runtime import GluonASTSource
 
         from .gemm_sm90 import moe_gemm_ws_kernel
         kernel, source = moe_gemm_ws_kernel, GluonASTSource
-        del const["PURE"]
         const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+    else:
+        kernel, source = moe_gemm_kernel, ASTSource
+        const.update(PURE=False)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
