@@ -115,6 +115,34 @@ E2M1X8_TO_E4M3_ASM = tl.constexpr("""{
         }""")
 
 
+# K-ordered forms for the Gluon converter: one 32-bit word of packed codes (bytes 0..3; byte j holds
+# K = 2j in its low nibble and K = 2j + 1 in its high one) -> values in K order, no re-interleaving.
+# a = low nibbles, b = high nibbles (each byte < 16, so prmt's sign-replicate selector 8 gives a zero byte).
+E2M1X8_TO_BF16_KORDER_ASM = tl.constexpr("""{
+        .reg .b32 a, b, t;
+        and.b32 a, $4, 0x0F0F0F0F; shr.b32 b, $4, 4; and.b32 b, b, 0x0F0F0F0F;
+        prmt.b32 t, a, b, 0x8480; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $0, t, $5;
+        prmt.b32 t, a, b, 0x8581; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $1, t, $5;
+        prmt.b32 t, a, b, 0x8682; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $2, t, $5;
+        prmt.b32 t, a, b, 0x8783; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $3, t, $5;
+        }""")
+"""$0..$3 = BF16x2 (K 2j, K 2j+1) of the word $4, times the BF16x2 factor $5 (the same in both halves).
+
+Per pair: prmt puts code K2j at bits 0..3 and K2j+1 at bits 16..19 (zeros elsewhere); times 0x1040
+adds copies shifted by 6 (``eem`` to bits 8..6) and 12 (sign to bit 15) that cannot overlap; the mask
+keeps the BF16 bits of the value times 2**-126 (as ``e2m1x8_to_bf16_scaled_by_2pow126``), and the
+factor 2**(126 + d) makes it the value times 2**d."""
+E2M1X8_TO_E4M3_KORDER_ASM = tl.constexpr("""{
+        .reg .b32 a, b, t, s;
+        and.b32 a, $2, 0x0F0F0F0F; shr.b32 b, $2, 4; and.b32 b, b, 0x0F0F0F0F;
+        prmt.b32 t, a, b, 0x5140; and.b32 s, t, 0x08080808; shl.b32 t, t, 2; mad.lo.u32 $0, s, 12, t;
+        prmt.b32 t, a, b, 0x7362; and.b32 s, t, 0x08080808; shl.b32 t, t, 2; mad.lo.u32 $1, s, 12, t;
+        }""")
+"""$0 = E4M3 bytes of K 0..3, $1 of K 4..7 of the word $2, times 2**-6 (as
+``e2m1x8_to_e4m3_scaled_by_2pow_minus6``): per byte, code << 2 puts ``eem`` at bits 4..2 and the sign
+at bit 5; adding sign * 12 moves it to bit 7 (no carry leaves the byte)."""
+
+
 @triton.jit
 def e2m1x8_to_bf16_scaled_by_2pow126(packed):
     """uint8 [.., n] (two E2M1 per byte) -> (low-nibble values, high-nibble values) as BF16 times 2**-126.

@@ -2,18 +2,21 @@
 
 Same contract and arguments as :func:`gemm.moe_gemm_kernel` (``W · Aᵀ``: weight rows are the
 MMA's M, routed rows its N), for both precisions. Plain Triton 3.6 waits on every wgmma, so
-conversion and MMA never overlap there; here three partitions run concurrently per program:
+conversion and MMA never overlap there; here the partitions run concurrently per program:
 
-- loader (4 warps): ``cp.async`` of the packed E2M1 tiles (gate and up rows) and of the
+- loader (4 warps): 16-B ``cp.async`` of the packed E2M1 tiles (gate and up rows) and of the
   gathered activation rows into a ring of ``NUM_STAGES`` stages (no TMA gather on sm90);
-- two converters (4 warps each, even and odd stages, so two stages convert at once): E2M1 -> BF16 with the K32 block scale folded (W4A16, as in
-  ``gemm``) or -> E4M3 * 2**-6 (W4A8, exact), written to NVMMA-swizzled shared memory
-  one K32 block per buffer; for W4A8 also each block's FP32 factor 2**(b - 121);
-- MMA + epilogue (default partition): async ``warpgroup_mma`` on shared operands. W4A16
-  chains every block into the FP32 accumulators and keeps one stage in flight. W4A8 runs
-  each K32 block from zero and multiplies its partial sum by the block factor into the FP32
-  accumulators while the next block's MMA runs (two partial sets, ping-pong): exact scales,
-  and Hopper's reduced-precision FP8 accumulation never spans more than 32 products.
+- converter (4 warps): E2M1 -> BF16
+  with the K32 block scale folded (W4A16, as in ``gemm``) or -> E4M3 * 2**-6 (W4A8, exact), in
+  K order by inline asm, stored as 32-bit words into the stage's NVMMA-swizzled tile; for W4A8
+  also each block's FP32 factor 2**(b - 121);
+- MMA + epilogue (default partition, one or two warpgroups): async ``warpgroup_mma`` on shared
+  operands. W4A16 chains the stages into the FP32 accumulators with one stage in flight. W4A8
+  runs each K32 block from zero and multiplies its partial sum by the block factor into the FP32
+  accumulators: exact scales, and Hopper's reduced-precision FP8 accumulation never spans more
+  than 32 products. ptxas serializes a warpgroup's wgmma once other instructions read an
+  accumulator inside its pipeline, so each block waits for its MMA; with two warpgroups one
+  group's MMA runs while the other rescales.
 
 Barriers per stage: ``loaded`` (every loader thread's cp.async landed), ``converted``
 (weights converted), ``consumed`` (the stage's MMAs finished: activation, converted and
@@ -23,9 +26,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
 
-from .convert import E2M1X8_TO_BF16_ASM, E2M1X8_TO_E4M3_ASM
+from .convert import E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_KORDER_ASM
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -40,32 +42,20 @@ def _pow2(exp):
 
 
 @gluon.jit
-def _column(tile, c):
-    """Column ``c`` of an integer [rows, n] tile whose columns sit in one thread (selects, no shuffles)."""
-    cols = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, tile.type.layout))
-    return gl.sum(gl.where(cols[None, :] == c, tile, 0), axis=1)
-
-
-@gluon.jit
-def _scale_group(ptrs, cols, j, K):
-    """Scale bytes [rows, 16] of K32 blocks 16*j .. 16*j + 15 (0 past K)."""
-    return gl.load(ptrs + j * 16, mask=(j * 16 + cols < K // 32)[None, :], other=0)
-
-
-@gluon.jit
 def _loader(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, N, K, num_k,
             packed, act, loaded, consumed,
             GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
             NUM_STAGES: gl.constexpr):
     NC: gl.constexpr = BK // 32
-    # packed rows: BK/2 bytes = NC chunks of 16 B (one K32 block each)
+    # packed rows: BK/2 bytes = NC chunks of 16 B; activation rows: BK elements in 16-B chunks
     PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
-    # activation rows of one K32 block: 32 (FP8) or 64 (BF16) bytes
     EPV: gl.constexpr = 16 if FP8 else 8  # elements per 16-B copy
-    AL: gl.constexpr = gl.BlockedLayout([1, EPV], [32 // (32 // EPV), 32 // EPV], [gl.num_warps(), 1], [1, 0])
+    CPR: gl.constexpr = BK // EPV
+    AL: gl.constexpr = gl.BlockedLayout([1, EPV], [32 // CPR, CPR], [gl.num_warps(), 1], [1, 0])
+    row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
     pm = gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
     pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
-    w_ptrs = w_ptr + (w_row0 + pm.to(gl.int64))[:, None] * (K // 2) + pk[None, :]
+    w_ptrs = w_ptr + (w_row0 + pm.to(gl.int64))[:, None] * row_bytes + pk[None, :]
     # the gathered activation rows: GEMM1 the token of each route, GEMM2 the slot itself
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
     routes = gl.load(routes_ptr + slots)
@@ -74,122 +64,132 @@ def _loader(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, N, K, num_
         rows = gl.where(ok, routes // top_k, 0).to(gl.int64)
     else:
         rows = slots.to(gl.int64)
-    ak = gl.arange(0, 32, layout=gl.SliceLayout(0, AL))
+    ak = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
     a_ptrs = a_ptr + rows[:, None] * stride_a + ak[None, :]
     for i in range(num_k):
         s = i % NUM_STAGES
         mbarrier.wait(consumed.index(s), ((i // NUM_STAGES) & 1) ^ 1)
         for h in gl.static_range(NH):
-            async_copy.async_copy_global_to_shared(packed.index(s * NH + h), w_ptrs + h * N * (K // 2) + i * (BK // 2))
-        for c in gl.static_range(NC):
-            async_copy.async_copy_global_to_shared(act.index(s * NC + c), a_ptrs + (i * BK + c * 32), mask=ok[:, None])
+            async_copy.async_copy_global_to_shared(packed.index(s * NH + h), w_ptrs + h * N * row_bytes + i * (BK // 2))
+        async_copy.async_copy_global_to_shared(act.index(s), a_ptrs + i * BK, mask=ok[:, None])
         # every loader thread arrives once its own copies have landed (count = loader threads)
         async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
 
 
 @gluon.jit
-def _convert_stage(i, g: gl.constexpr, sc_g, sc_u, ref_g, ref_u, packed, wconv, factors, loaded, converted, consumed,
-                   NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, NC: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PL: gl.constexpr, WL: gl.constexpr):
-    """Convert stage ``i``; its scale bytes are columns g*NC .. g*NC + NC-1 of the group tiles."""
-    RL: gl.constexpr = gl.SliceLayout(1, WL)
+def _load_packed(packed, i, NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 PL: gl.constexpr):
+    """Stage ``i``'s packed words [BM, BK/8] of both halves (once the loader's copies landed)."""
     s = i % NUM_STAGES
-    phase = (i // NUM_STAGES) & 1
-    mbarrier.wait(loaded.index(s), phase)
-    mbarrier.wait(consumed.index(s), phase ^ 1)
-    for h in gl.static_range(NH):
-        sc = sc_g
-        ref = ref_g
-        if h == 1:
-            sc = sc_u
-            ref = ref_u
-        for c in gl.static_range(NC):
-            p = packed.index(s * NH + h).slice(16 * c, 16, dim=1).load(PL)
-            # a compile-time column of an in-thread tile: a register pick
-            b = gl.convert_layout(_column(sc, g * NC + c), RL, assert_trivial=True).to(gl.int32)
-            buf = (s * NH + h) * NC + c
-            if FP8:
-                lo, hi = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_ASM, "=r,=r,r", [p], dtype=(gl.uint8, gl.uint8),
-                                                   is_pure=True, pack=4)
-                w = gl.convert_layout(gl.join(lo, hi).reshape(BM, 32), WL).to(gl.float8e4nv, bitcast=True)
-                factors.index(buf).store(_pow2(b - 121))
-            else:
-                lo, hi = gl.inline_asm_elementwise(E2M1X8_TO_BF16_ASM, "=r,=r,=r,=r,r", [p],
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-                w = gl.convert_layout(gl.join(lo, hi).reshape(BM, 32), WL)
-                # BF16 2**(126 + b - ref) (0 where it underflows); times the 2**-126 placement: 2**(b - ref)
-                f = (gl.maximum(253 + b - ref, 0) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
-                w = w * f[:, None]
-            wconv.index(buf).store(w)
-    fence_async_shared()
-    mbarrier.arrive(converted.index(s))
+    words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    p_g = packed.index(s * NH)._reinterpret(gl.int32, [BM, BK // 8], words).load(PL)
+    p_u = p_g
+    if NH == 2:
+        p_u = packed.index(s * NH + 1)._reinterpret(gl.int32, [BM, BK // 8], words).load(PL)
+    return p_g, p_u
+
+
+@gluon.jit
+def _scale_group(s_ptrs, gg, j, num_k, G: gl.constexpr, NC: gl.constexpr):
+    """Scale bytes of stages j*G .. j*G + G-1 (0 past the last stage): [BM, G, NC] int32."""
+    return gl.load(s_ptrs + j * G * NC, mask=(j * G + gg < num_k)[None, :, None], other=0).to(gl.int32)
 
 
 @gluon.jit
 def _converter(s_ptr, ref_ptr, w_row0, N, K, num_k,
                packed, wconv, factors, loaded, converted, consumed,
                NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-               NUM_STAGES: gl.constexpr, PARITY: gl.constexpr):
-    """Converts the stages ``i`` with ``i % 2 == PARITY`` (one stage's convert-store-fence-arrive chain is
-    latency-bound; two partitions keep two stages in flight)."""
+               NUM_STAGES: gl.constexpr, GROUP: gl.constexpr = 2):
+    """Converts every stage's weights.
+
+    Each thread converts whole K32 blocks: 4 words of packed codes (one 16-B shared load) -> 32 values in
+    K order (64 or 32 contiguous bytes of a row of the NVMMA-swizzled stage tile, stored as 32-bit words),
+    with one block scale. The next stage's packed words are loaded before this stage is converted, and
+    the scale bytes come in groups of G stages: the proxy fence before each ``converted`` arrive waits
+    for every outstanding global load, so a per-stage scale load would expose its latency every stage."""
     NC: gl.constexpr = BK // 32
     CW: gl.constexpr = gl.num_warps()
-    # one K32 block of BM rows: 16 packed bytes per row spread over the partition's threads
-    BPT: gl.constexpr = BM * 16 // (32 * CW)  # packed bytes per thread (a multiple of 4: the asm's unit)
-    PL: gl.constexpr = gl.BlockedLayout([1, BPT], [32 * BPT // 16, 16 // BPT], [CW, 1], [1, 0])
-    WL: gl.constexpr = gl.BlockedLayout([1, 2 * BPT], [32 * BPT // 16, 16 // BPT], [CW, 1], [1, 0])
-    RL: gl.constexpr = gl.SliceLayout(1, WL)
-    # scale bytes in groups of 16 per row (G stages), the next group in flight while this one is used:
-    # an exposed load latency per stage would throttle the pipeline; the stage loop is unrolled by G so
-    # a stage's scale bytes are compile-time registers of the group tile
-    GC: gl.constexpr = 16
-    G: gl.constexpr = GC // NC
-    SL: gl.constexpr = gl.BlockedLayout([1, GC], [32 * BPT // 16, 16 // BPT], [CW, 1], [1, 0])  # rows as WL
-    sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
-    sc_cols = gl.arange(0, GC, layout=gl.SliceLayout(0, SL))
-    s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + sc_cols[None, :]
+    G: gl.constexpr = GROUP  # stages per scale group
+    WPB: gl.constexpr = 4 if FP8 else 8  # output words per 8 codes
+    PL: gl.constexpr = gl.BlockedLayout([1, 4], [32 // NC, NC], [CW, 1], [1, 0])  # packed words [BM, BK/8]
+    WL: gl.constexpr = gl.BlockedLayout([1, 2 * WPB], [32 // NC, NC], [CW, 1], [1, 0])  # converted words
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NC, NC, 1], [CW, 1, 1], [2, 1, 0])  # [BM, NC, 4]
+    SL: gl.constexpr = gl.SliceLayout(2, L3)  # one value per (row, K32 block): [BM, NC]
+    GL: gl.constexpr = gl.BlockedLayout([1, G, 1], [32 // NC, 1, NC], [CW, 1, 1], [2, 1, 0])  # [BM, G, NC]
+    conv_words: gl.constexpr = gl.NVMMASharedLayout(wconv.type.layout.swizzle_byte_width, 32, rank=2)
+    gm = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, GL)))
+    gg = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, GL)))
+    gc = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, GL)))
+    s_ptrs = (s_ptr + (w_row0 + gm.to(gl.int64))[:, None, None] * (K // 32) + (gg * NC)[None, :, None]
+              + gc[None, None, :])
     up_off = N * (K // 32)
-    ref_g = gl.load(ref_ptr + w_row0 + gl.arange(0, BM, layout=RL))
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
+    ref_g = gl.load(ref_ptr + w_row0 + rows)[:, None]
     ref_u = ref_g
     if NH == 2:
-        ref_u = gl.load(ref_ptr + w_row0 + N + gl.arange(0, BM, layout=RL))
-    nxt_g = _scale_group(s_ptrs, sc_cols, 0, K)
+        ref_u = gl.load(ref_ptr + w_row0 + N + rows)[:, None]
+    nxt_g = _scale_group(s_ptrs, gg, 0, num_k, G, NC)
     nxt_u = nxt_g
     if NH == 2:
-        nxt_u = _scale_group(s_ptrs + up_off, sc_cols, 0, K)
+        nxt_u = _scale_group(s_ptrs + up_off, gg, 0, num_k, G, NC)
+    # W4A16 loads the next stage's packed words while it converts this one (W4A8's stages are twice as
+    # deep: the second set of words would not fit in the converter's registers)
+    PREFETCH: gl.constexpr = not FP8
+    p_g = gl.zeros([BM, BK // 8], gl.int32, PL)
+    p_u = p_g
+    if PREFETCH:
+        mbarrier.wait(loaded.index(0), 0)
+        p_g, p_u = _load_packed(packed, 0, NH, BM, BK, NUM_STAGES, PL)
     for j in range(gl.cdiv(num_k, G)):
         cur_g = nxt_g
         cur_u = nxt_u
-        nxt_g = _scale_group(s_ptrs, sc_cols, j + 1, K)
-        if NH == 2:
-            nxt_u = _scale_group(s_ptrs + up_off, sc_cols, j + 1, K)
-        for g in gl.static_range(PARITY, G, 2):  # G is even
+        for g in gl.static_range(G):
             i = j * G + g
             if i < num_k:
-                _convert_stage(i, g, cur_g, cur_u, ref_g, ref_u, packed, wconv, factors, loaded, converted, consumed,
-                               NH, FP8, BM, NC, NUM_STAGES, PL, WL)
-
-
-@gluon.jit
-def _issue_block(wg, wu, xb, pg, pu, NH: gl.constexpr):
-    """Start one K32 block's FP8 MMAs from zero (gate, and up for GEMM1) into the partial set (pg, pu)."""
-    pg = warpgroup_mma(wg, xb, pg, use_acc=False, is_async=True)
-    if NH == 2:
-        pu = warpgroup_mma(wu, xb, pu, use_acc=False, is_async=True)
-    return pg, pu
-
-
-@gluon.jit
-def _retire_block(num_outstanding: gl.constexpr, pg, pu, acc_g, acc_u, fg, fu, NH: gl.constexpr):
-    """Wait until at most ``num_outstanding`` MMAs run (the older partial set is done), then add it,
-    times its block factors, into the FP32 accumulators."""
-    if NH == 2:
-        pg, pu = warpgroup_mma_wait(num_outstanding, deps=(pg, pu))
-        acc_u += pu * fu[:, None]
-    else:
-        pg = warpgroup_mma_wait(num_outstanding, deps=(pg, ))
-    acc_g += pg * fg[:, None]
-    return pg, pu, acc_g, acc_u
+                if g == 0:  # the next group, in flight behind this stage's fence
+                    nxt_g = _scale_group(s_ptrs, gg, j + 1, num_k, G, NC)
+                    if NH == 2:
+                        nxt_u = _scale_group(s_ptrs + up_off, gg, j + 1, num_k, G, NC)
+                s = i % NUM_STAGES
+                mbarrier.wait(consumed.index(s), ((i // NUM_STAGES) & 1) ^ 1)
+                q_g = p_g
+                q_u = p_u
+                if PREFETCH and i + 1 < num_k:  # the next stage's packed words, loaded while this one converts
+                    mbarrier.wait(loaded.index((i + 1) % NUM_STAGES), ((i + 1) // NUM_STAGES) & 1)
+                    q_g, q_u = _load_packed(packed, i + 1, NH, BM, BK, NUM_STAGES, PL)
+                if not PREFETCH:
+                    mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
+                    p_g, p_u = _load_packed(packed, i, NH, BM, BK, NUM_STAGES, PL)
+                for h in gl.static_range(NH):
+                    p = p_g
+                    sc = cur_g
+                    ref = ref_g
+                    if h == 1:
+                        p = p_u
+                        sc = cur_u
+                        ref = ref_u
+                    # this stage's scale bytes: a compile-time column of the in-thread group tile
+                    b = gl.convert_layout(gl.sum(gl.where((gg == g)[None, :, None], sc, 0), axis=1), SL)
+                    if FP8:
+                        o0, o1 = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_KORDER_ASM, "=r,=r,r", [p],
+                                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+                        w = gl.join(o0, o1).reshape(BM, BK // 4)
+                        factors.index(s * NH + h).store(gl.permute(_pow2(b - 121), (1, 0)))
+                    else:
+                        # BF16x2 2**(126 + b - ref) (0 where it underflows) per block, beside every word of it
+                        f = gl.maximum(253 + b - ref, 0) << 7
+                        f2 = gl.convert_layout((gl.expand_dims(f | (f << 16), 2) + gl.zeros([BM, NC, 4], gl.int32, L3))
+                                               .reshape(BM, BK // 8), PL)
+                        o0, o1, o2, o3 = gl.inline_asm_elementwise(E2M1X8_TO_BF16_KORDER_ASM, "=r,=r,=r,=r,r,r",
+                                                                   [p, f2], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                                   is_pure=True, pack=1)
+                        w = gl.join(gl.join(o0, o2), gl.join(o1, o3)).reshape(BM, BK // 2)
+                    wconv.index(s * NH + h)._reinterpret(gl.int32, [BM, BK * WPB // 16], conv_words).store(
+                        gl.convert_layout(w, WL))
+                fence_async_shared()
+                mbarrier.arrive(converted.index(s))
+                p_g = q_g
+                p_u = q_u
 
 
 @gluon.jit
@@ -198,24 +198,24 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
                       wconv, act, factors, loaded, converted, consumed,
                       GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
                       HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
-                      BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
+                      BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      OUT_I64: gl.constexpr):
     NC: gl.constexpr = BK // 32
     NH: gl.constexpr = 2 if GEMM1 else 1
     NW: gl.constexpr = gl.num_warps()
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
-                                                  instr_shape=[16, BT // (NW // 4), 32 if FP8 else 16])
+    WPM: gl.constexpr = NW if BM >= 16 * NW else BM // 16  # warps along the weight rows, the rest split the tokens
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WPM, NW // WPM],
+                                                  instr_shape=[16, BT // (NW // WPM), 32 if FP8 else 16])
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
     acc_u = zero
     if FP8:
-        # partial sums of one K32 block, ping-pong: set 0 for even blocks, set 1 for odd ones
-        pg0 = zero
-        pu0 = zero
-        pg1 = warpgroup_mma_init(zero)
-        pu1 = warpgroup_mma_init(zero)
-        fg = gl.zeros((BM,), gl.float32, ROWS)
-        fu = fg
+        # each K32 block's FP8 MMA starts from zero and its partial sum is multiplied by the block factor
+        # into the FP32 accumulators: exact scales, and Hopper's reduced-precision FP8 accumulation never
+        # spans more than 32 products. ptxas serializes a warpgroup's wgmma when other instructions read
+        # an accumulator inside the pipeline, so each block waits for its MMA; with two MMA warpgroups one
+        # group's MMA runs while the other scales.
         for i in range(num_k):
             s = i % NUM_STAGES
             phase = (i // NUM_STAGES) & 1
@@ -223,21 +223,18 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
             mbarrier.wait(converted.index(s), phase)
             fence_async_shared()
             for c in gl.static_range(NC):
-                xb = act.index(s * NC + c).permute((1, 0))
-                wg = wconv.index((s * NH) * NC + c)
-                wu = wconv.index((s * NH + NH - 1) * NC + c)
-                if c % 2 == 0:
-                    pg0, pu0 = _issue_block(wg, wu, xb, pg0, pu0, NH)
-                    pg1, pu1, acc_g, acc_u = _retire_block(NH, pg1, pu1, acc_g, acc_u, fg, fu, NH)
-                else:
-                    pg1, pu1 = _issue_block(wg, wu, xb, pg1, pu1, NH)
-                    pg0, pu0, acc_g, acc_u = _retire_block(NH, pg0, pu0, acc_g, acc_u, fg, fu, NH)
-                if c == 0:  # the previous stage's last MMA has finished: its buffers are free
-                    mbarrier.arrive(consumed.index((i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
-                fg = factors.index((s * NH) * NC + c).load(ROWS)
+                xb = act.index(s).slice(32 * c, 32, dim=1).permute((1, 0))
+                pg = warpgroup_mma(wconv.index(s * NH).slice(32 * c, 32, dim=1), xb, zero, use_acc=False,
+                                   is_async=True)
                 if NH == 2:
-                    fu = factors.index((s * NH + 1) * NC + c).load(ROWS)
-        pg1, pu1, acc_g, acc_u = _retire_block(0, pg1, pu1, acc_g, acc_u, fg, fu, NH)
+                    pu = warpgroup_mma(wconv.index(s * NH + 1).slice(32 * c, 32, dim=1), xb, zero, use_acc=False,
+                                       is_async=True)
+                    pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
+                    acc_u += pu * factors.index(s * NH + 1).reshape([NC * BM]).slice(c * BM, BM).load(ROWS)[:, None]
+                else:
+                    pg = warpgroup_mma_wait(0, deps=(pg, ))
+                acc_g += pg * factors.index(s * NH).reshape([NC * BM]).slice(c * BM, BM).load(ROWS)[:, None]
+            mbarrier.arrive(consumed.index(s))
     else:
         for i in range(num_k):
             s = i % NUM_STAGES
@@ -245,15 +242,13 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
             mbarrier.wait(loaded.index(s), phase)
             mbarrier.wait(converted.index(s), phase)
             fence_async_shared()
-            for c in gl.static_range(NC):
-                xb = act.index(s * NC + c).permute((1, 0))
-                acc_g = warpgroup_mma(wconv.index((s * NH) * NC + c), xb, acc_g, is_async=True)
-                if NH == 2:
-                    acc_u = warpgroup_mma(wconv.index((s * NH + 1) * NC + c), xb, acc_u, is_async=True)
+            xb = act.index(s).permute((1, 0))
+            acc_g = warpgroup_mma(wconv.index(s * NH), xb, acc_g, is_async=True)
             if NH == 2:  # keep this stage's MMAs in flight; the previous stage's are done
-                acc_g, acc_u = warpgroup_mma_wait(NH * NC, deps=(acc_g, acc_u))
+                acc_u = warpgroup_mma(wconv.index(s * NH + 1), xb, acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(NH, deps=(acc_g, acc_u))
             else:
-                acc_g = warpgroup_mma_wait(NH * NC, deps=(acc_g, ))
+                acc_g = warpgroup_mma_wait(NH, deps=(acc_g, ))
             mbarrier.arrive(consumed.index((i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
         if NH == 2:
             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
@@ -264,9 +259,10 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
         if NH == 2:
             acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
 
-    # epilogue in a store-friendly layout: 8 consecutive output columns (weight rows) per thread
-    OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])
-    g = gl.convert_layout(acc_g, OUT)
+    # epilogue in the accumulator layout: no shared-memory round trip (its scratch would be as large as a
+    # pipeline stage); a warp's store covers 16-B pieces of 4 output rows, the L2 merges them
+    OUT: gl.constexpr = MMA
+    g = acc_g
     offs_n = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, OUT))
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))
     routes = gl.load(routes_ptr + slots)
@@ -283,7 +279,7 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
     if HAS_BIAS:
         y += gl.load(bias_ptr + w_row0 + (offs_n - n0))[:, None]
     if GEMM1:
-        up = gl.convert_layout(acc_u, OUT) * col_scale[None, :]
+        up = acc_u * col_scale[None, :]
         if HAS_BIAS:
             up += gl.load(bias_ptr + w_row0 + N + (offs_n - n0))[:, None]
         gate = gl.minimum(y, limit)
@@ -292,11 +288,14 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
             y = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
         else:
             y = gate / (1.0 + gl.exp(-gate)) * up
-        out_rows = slots.to(gl.int64)
+        out_rows = slots
     else:
         y = y * gl.load(topk_weights_ptr + routes, mask=row_ok, other=0.0).to(gl.float32)[None, :]
-        out_rows = gl.where(row_ok, routes, 0).to(gl.int64)
-    out_ptrs = out_ptr + out_rows[None, :] * stride_out + offs_n[:, None]
+        out_rows = gl.where(row_ok, routes, 0)
+    if OUT_I64:  # 32-bit element offsets where the output allows: 64-bit pointers per element would spill
+        out_ptrs = out_ptr + out_rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
+    else:
+        out_ptrs = out_ptr + (out_rows[None, :] * stride_out + offs_n[:, None])
     gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (offs_n < N)[:, None])
 
 
@@ -310,10 +309,11 @@ def moe_gemm_ws_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-    LOADER_REGS: gl.constexpr = 64, CONVERTER_REGS: gl.constexpr = 96,
+    LOADER_REGS: gl.constexpr = 48, CONVERTER_REGS: gl.constexpr = 112,
+    OUT_I64: gl.constexpr = True,
 ):
     """The ``moe_gemm_kernel`` contract on sm90 (see the module docstring); requires
-    ``N % BM == 0``, ``K % BK == 0`` and, for W4A8, an even number of K32 blocks per stage."""
+    ``N % BM == 0`` and ``K % BK == 0``."""
     pid_n = gl.program_id(0)
     pid_t = gl.program_id(1)
     if pid_t < gl.load(num_tiles_ptr):
@@ -326,14 +326,16 @@ def moe_gemm_ws_kernel(
         num_k = K // BK
 
         w_dtype: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
+        a_dtype: gl.constexpr = a_ptr.dtype.element_ty
         packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2],
                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        wconv = gl.allocate_shared_memory(w_dtype, [NUM_STAGES * NH * NC, BM, 32],
-                                          gl.NVMMASharedLayout.get_default_for([BM, 32], w_dtype))
-        act = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [NUM_STAGES * NC, BT, 32],
-                                        gl.NVMMASharedLayout.get_default_for([BT, 32], a_ptr.dtype.element_ty))
-        factors = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * NH * NC if FP8 else 1, BM],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        wconv = gl.allocate_shared_memory(w_dtype, [NUM_STAGES * NH, BM, BK],
+                                          gl.NVMMASharedLayout.get_default_for([BM, BK], w_dtype))
+        act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
+        # W4A8: each K32 block's FP32 factor per weight row
+        factors = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * NH if FP8 else 1, NC, BM],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         converted = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -346,11 +348,9 @@ def moe_gemm_ws_kernel(
             (_mma_and_epilogue, (a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                                  topk_weights_ptr, expert, w_row0, n0, slot0, N, K, top_k, limit, alpha, num_k,
                                  wconv, act, factors, loaded, converted, consumed,
-                                 GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES)),
+                                 GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64)),
             (_loader, (w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k, w_row0, N, K, num_k,
                        packed, act, loaded, consumed, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES)),
             (_converter, (s_ptr, ref_ptr, w_row0, N, K, num_k, packed, wconv, factors, loaded, converted, consumed,
-                          NH, FP8, BM, BK, NUM_STAGES, 0)),
-            (_converter, (s_ptr, ref_ptr, w_row0, N, K, num_k, packed, wconv, factors, loaded, converted, consumed,
-                          NH, FP8, BM, BK, NUM_STAGES, 1)),
-        ], [LOADER_WARPS, CONVERTER_WARPS, CONVERTER_WARPS], [LOADER_REGS, CONVERTER_REGS, CONVERTER_REGS])
+                          NH, FP8, BM, BK, NUM_STAGES)),
+        ], [LOADER_WARPS, CONVERTER_WARPS], [LOADER_REGS, CONVERTER_REGS])

@@ -34,25 +34,32 @@ class GemmConfig:
     num_stages: int
     kernel: str = "triton"  # "triton": gemm.moe_gemm_kernel; "gluon": gemm_sm90.moe_gemm_ws_kernel (sm90)
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
-    loader_regs: int = 56
+    loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
     converter_regs: int = 112
 
 
-def kernel_choice(device: torch.device) -> str:
-    """``MXMOE_KERNEL`` (auto | triton | gluon; default auto = triton): the GEMM kernel on CUDA.
+def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
+                  shapes_ok: bool = True) -> str:
+    """``MXMOE_KERNEL`` (auto | triton | gluon; default auto): the GEMM kernel on CUDA.
 
-    The warp-specialized Gluon kernel (``gemm_sm90``, sm90 only) is correct but not yet faster
-    than the plain-Triton template on the H200 (docs/perf-notes.md), so it is opt-in. The
+    ``auto`` runs the warp-specialized Gluon kernel (``gemm_sm90``) on sm90 where it measured faster
+    than the plain-Triton template on the H200 (docs/perf-notes.md step 8): its two-warpgroup tiles,
+    i.e. route tiles of 128 rows for W4A16 and of 64 for W4A8 (prefill); the plain template elsewhere
+    (decode, small batches) and for shapes the Gluon kernel does not take (``shapes_ok``). The
     interpreter and CPU always run the plain template.
     """
     choice = os.environ.get("MXMOE_KERNEL", "auto")
     if choice not in ("auto", "triton", "gluon"):
         raise ValueError(f"MXMOE_KERNEL must be auto, triton or gluon, got {choice!r}")
-    if choice != "gluon" or interpreting() or device.type != "cuda":
+    if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
-    if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernel() is None:
-        raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
-    return "gluon"
+    hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
+    if choice == "gluon":
+        if not hopper:
+            raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
+        return "gluon" if shapes_ok else "triton"
+    big_tiles = tile_rows_for(rows, num_experts, cap=64 if fp8 else 128) >= (64 if fp8 else 128)
+    return "gluon" if hopper and shapes_ok and big_tiles else "triton"
 
 
 @functools.cache
@@ -74,18 +81,29 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1]) -> int:
 
 
 def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
-                kernel: str = "triton") -> GemmConfig:
+                kernel: str = "triton", gemm1: bool = True) -> GemmConfig:
     override = dict(override or {})
     kernel = override.pop("kernel", kernel)
     if kernel == "gluon":
         if k % 64 or n % 64:
             raise ValueError("the Gluon kernel needs N and K multiples of 64")
-        # W4A8 keeps two FP8 partial-sum sets besides both accumulators: 64-row tiles (docs/perf-notes.md)
+        # W4A8 holds a K32 block's partial sums beside both accumulators: at most 64 routed rows per tile
         bt = tile_rows_for(rows, num_experts, cap=64 if fp8 else 128)
-        cfg = dict(block_rows=bt, block_m=64, block_k=128 if fp8 and k % 128 == 0 else 64, num_warps=4,
-                   num_stages=4, kernel="gluon", loader_regs=56, converter_regs=112)
+        bk = 128 if fp8 and k % 128 == 0 else 64
+        if bt >= 64:
+            # two MMA warpgroups on 128 weight rows (per half): half the activation traffic of 64-row
+            # tiles (docs/perf-notes.md step 8)
+            cfg = dict(block_rows=bt, block_m=128 if n % 128 == 0 else 64, block_k=bk, num_warps=8)
+        else:  # decode: 64-row tiles keep more programs streaming weights
+            cfg = dict(block_rows=bt, block_m=64, block_k=bk, num_warps=4)
         cfg.update(override)
-        return GemmConfig(**cfg)
+        halves = 2 if gemm1 else 1
+        bm, bk = cfg["block_m"], cfg["block_k"]
+        elem = 1 if fp8 else 2
+        stage = halves * bm * (bk * elem + bk // 2 + (bk // 32 * 4 if fp8 else 0)) + cfg["block_rows"] * bk * elem
+        # as many stages as fit in the 227 KiB of shared memory (less barriers), up to 6
+        cfg.setdefault("num_stages", max(2, min(6, (227 * 1024 - 2048) // stage)))
+        return GemmConfig(kernel="gluon", **{key: v for key, v in cfg.items() if key != "kernel"})
     bt = tile_rows_for(rows, num_experts)
     # 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
     # (Triton 3.6 waits for each wgmma); measured on the H200 (docs/perf-notes.md)
@@ -192,7 +210,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
     extra = {}
     if cfg.kernel == "gluon":
         kernel = _gluon_kernel()
-        extra = dict(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)  # no interpreter form
+        extra = dict(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs,
+                     OUT_I64=out.shape[0] * out.stride(0) >= 2**31)  # no interpreter form
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     else:
@@ -233,11 +252,11 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
         raise ValueError(f"workspace is too small or for other shapes (sized for {workspace.max_tokens} tokens, "
                          f"top_k {workspace.top_k}, fp8={workspace.fp8}; this call: {T} tokens, top_k {top_k}, fp8={fp8})")
     R = T * top_k
-    kernel = kernel_choice(x.device)
-    if kernel == "gluon" and (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8):
-        kernel = "triton"  # whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
-    cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel)
-    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel)
+    # the Gluon kernel: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
+    gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
+    kernel = kernel_choice(x.device, R, E, fp8, gluon_ok)
+    cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel, gemm1=True)
+    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel, gemm1=False)
     pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
     max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"

@@ -59,7 +59,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
 
         from .gemm_sm90 import moe_gemm_ws_kernel
         kernel, source = moe_gemm_ws_kernel, GluonASTSource
-        const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+        const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs,
+                     OUT_I64=False)
     else:
         kernel, source = moe_gemm_kernel, ASTSource
         const.update(PURE=False)
@@ -101,7 +102,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
         for fp8 in (False, True):
             for gemm1 in (True, False):
                 n, k = (I, H) if gemm1 else (H, I)
-                cfg = gemm_config(r, E, n, k, fp8, kernel=kernel)
+                cfg = gemm_config(r, E, n, k, fp8, kernel=kernel, gemm1=gemm1)
                 rep = report(compile_gemm(gemm1, fp8, cfg))
                 out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
                                 spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
