@@ -133,14 +133,15 @@ adds copies shifted by 6 (``eem`` to bits 8..6) and 12 (sign to bit 15) that can
 keeps the BF16 bits of the value times 2**-126 (as ``e2m1x8_to_bf16_scaled_by_2pow126``), and the
 factor 2**(126 + d) makes it the value times 2**d."""
 E2M1X8_TO_E4M3_KORDER_ASM = tl.constexpr("""{
-        .reg .b32 a, b, t, s;
-        and.b32 a, $2, 0x0F0F0F0F; shr.b32 b, $2, 4; and.b32 b, b, 0x0F0F0F0F;
-        prmt.b32 t, a, b, 0x5140; and.b32 s, t, 0x08080808; shl.b32 t, t, 2; mad.lo.u32 $0, s, 12, t;
-        prmt.b32 t, a, b, 0x7362; and.b32 s, t, 0x08080808; shl.b32 t, t, 2; mad.lo.u32 $1, s, 12, t;
+        .reg .b32 u, v, t;
+        shl.b32 t, $2, 2; and.b32 u, t, 0x1C1C1C1C; shl.b32 t, $2, 4; and.b32 t, t, 0x80808080; or.b32 u, u, t;
+        shr.b32 t, $2, 2; and.b32 v, t, 0x1C1C1C1C; and.b32 t, $2, 0x80808080; or.b32 v, v, t;
+        prmt.b32 $0, u, v, 0x5140; prmt.b32 $1, u, v, 0x7362;
         }""")
 """$0 = E4M3 bytes of K 0..3, $1 of K 4..7 of the word $2, times 2**-6 (as
-``e2m1x8_to_e4m3_scaled_by_2pow_minus6``): per byte, code << 2 puts ``eem`` at bits 4..2 and the sign
-at bit 5; adding sign * 12 moves it to bit 7 (no carry leaves the byte)."""
+``e2m1x8_to_e4m3_scaled_by_2pow_minus6``): u = the low nibbles (K 0, 2, 4, 6) and v = the high ones
+(K 1, 3, 5, 7) with ``eem`` moved to bits 4..2 and the sign to bit 7 of each byte, then two prmt
+interleave them."""
 
 
 @triton.jit
