@@ -75,3 +75,34 @@ def test_bad_precision(env, precision):
     env(None)
     with pytest.raises(ValueError, match="precision"):
         select_precision(8, precision=precision, capturing=False)
+
+
+@pytest.mark.parametrize("version,expected", [("3.6.0", True), ("3.6.1+git1234", True), ("3.7.0", False),
+                                              ("3.5.1", False), ("4.0.0", False)])
+def test_auto_kernel_takes_gluon_only_on_the_validated_triton(version, expected):
+    """``MXMOE_KERNEL=auto`` picks the Gluon kernel only under the Triton release it was measured on."""
+    from mxmoe._details.launch import gluon_validated
+
+    assert gluon_validated(version) is expected
+
+
+@pytest.mark.parametrize("value", ["fast", "GLUON", "gluon2"])
+def test_malformed_kernel_choice_is_an_error(monkeypatch, value):
+    import torch
+
+    from mxmoe._details.launch import kernel_choice
+
+    monkeypatch.setenv("MXMOE_KERNEL", value)
+    with pytest.raises(ValueError, match="MXMOE_KERNEL"):
+        kernel_choice(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("value", ["", " ", "auto", "triton", "gluon"])
+def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
+    """Unset/empty means auto; CPU tensors (and the interpreter) always run the plain template."""
+    import torch
+
+    from mxmoe._details.launch import kernel_choice
+
+    monkeypatch.setenv("MXMOE_KERNEL", value)
+    assert kernel_choice(torch.device("cpu"), rows=65536, num_experts=8) == "triton"

@@ -40,15 +40,17 @@ class GemmConfig:
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
                   shapes_ok: bool = True) -> str:
-    """``MXMOE_KERNEL`` (auto | triton | gluon; default auto): the GEMM kernel on CUDA.
+    """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the GEMM kernel on CUDA.
 
     ``auto`` runs the warp-specialized Gluon kernel (``gemm_sm90``) on sm90 where it measured faster
     than the plain-Triton template on the H200 (docs/perf-notes.md step 8): its two-warpgroup tiles,
     i.e. route tiles of 128 rows for W4A16 and of 64 for W4A8 (prefill); the plain template elsewhere
-    (decode, small batches) and for shapes the Gluon kernel does not take (``shapes_ok``). The
+    (decode, small batches) and for shapes the Gluon kernel does not take (``shapes_ok``). Gluon is
+    experimental and its API moves between Triton releases, so ``auto`` takes it only on the Triton
+    it was validated on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon`` forces it on any. The
     interpreter and CPU always run the plain template.
     """
-    choice = os.environ.get("MXMOE_KERNEL", "auto")
+    choice = os.environ.get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
         raise ValueError(f"MXMOE_KERNEL must be auto, triton or gluon, got {choice!r}")
     if choice == "triton" or interpreting() or device.type != "cuda":
@@ -59,7 +61,16 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
             raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
         return "gluon" if shapes_ok else "triton"
     big_tiles = tile_rows_for(rows, num_experts, cap=64 if fp8 else 128) >= (64 if fp8 else 128)
-    return "gluon" if hopper and shapes_ok and big_tiles else "triton"
+    validated = gluon_validated(triton.__version__)
+    return "gluon" if hopper and validated and shapes_ok and big_tiles else "triton"
+
+
+GLUON_VALIDATED_TRITON = ("3.6",)  # major.minor releases the Gluon kernel was measured and tested on
+
+
+def gluon_validated(version: str) -> bool:
+    """Whether ``auto`` may pick the Gluon kernel under Triton ``version`` (e.g. ``"3.6.0"``)."""
+    return ".".join(version.split("+")[0].split(".")[:2]) in GLUON_VALIDATED_TRITON
 
 
 @functools.cache
