@@ -86,11 +86,9 @@ def run_asm(text: str, args: list) -> list:
 
 
 def _words():
-    """Packed words covering every code in every position: byte j of word w is (w*4 + j) % 256 rotated."""
+    """Packed words with every byte value (so every code pair) in every byte position, and random ones."""
     rng = np.random.default_rng(0)
-    out = [int.from_bytes(bytes([(4 * w + j) % 256 for j in range(4)]), "little") for w in range(64)]
-    out += [int(x) for x in rng.integers(0, 2**32, 64, dtype=np.uint64)]
-    return out
+    return [v * 0x01010101 for v in range(256)] + [int(x) for x in rng.integers(0, 2**32, 64, dtype=np.uint64)]
 
 
 def _codes(word: int) -> list:

@@ -60,9 +60,16 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
         if not hopper:
             raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
         return "gluon" if shapes_ok else "triton"
-    big_tiles = tile_rows_for(rows, num_experts, cap=64 if fp8 else 128) >= (64 if fp8 else 128)
+    cap = gluon_tile_cap(fp8)
+    big_tiles = tile_rows_for(rows, num_experts, cap=cap) >= cap
     validated = gluon_validated(triton.__version__)
     return "gluon" if hopper and validated and shapes_ok and big_tiles else "triton"
+
+
+def gluon_tile_cap(fp8: bool) -> int:
+    """Route-tile height of the Gluon kernel's prefill tiles: W4A8 holds a K32 block's partial sums beside
+    both accumulators, so at most 64 routed rows per tile; W4A16 128."""
+    return 64 if fp8 else 128
 
 
 GLUON_VALIDATED_TRITON = ("3.6",)  # major.minor releases the Gluon kernel was measured and tested on
@@ -98,8 +105,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
     if kernel == "gluon":
         if k % 64 or n % 64:
             raise ValueError("the Gluon kernel needs N and K multiples of 64")
-        # W4A8 holds a K32 block's partial sums beside both accumulators: at most 64 routed rows per tile
-        bt = tile_rows_for(rows, num_experts, cap=64 if fp8 else 128)
+        bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
         bk = 128 if fp8 and k % 128 == 0 else 64
         if bt >= 64:
             # two MMA warpgroups on 128 weight rows (per half): half the activation traffic of 64-row
@@ -114,7 +120,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         stage = halves * bm * (bk * elem + bk // 2 + (bk // 32 * 4 if fp8 else 0)) + cfg["block_rows"] * bk * elem
         # as many stages as fit in the 227 KiB of shared memory (less barriers), up to 6
         cfg.setdefault("num_stages", max(2, min(6, (227 * 1024 - 2048) // stage)))
-        return GemmConfig(kernel="gluon", **{key: v for key, v in cfg.items() if key != "kernel"})
+        return GemmConfig(kernel="gluon", **cfg)
     bt = tile_rows_for(rows, num_experts)
     # 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
     # (Triton 3.6 waits for each wgmma); measured on the H200 (docs/perf-notes.md)
