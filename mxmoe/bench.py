@@ -457,7 +457,8 @@ def _dequantized(experts: PreparedExperts, dtype=torch.bfloat16, chunk_elems: in
             out[e0:e0 + step] = dequantize_mxfp4(w[e0:e0 + step], s[e0:e0 + step], dtype=torch.float32).to(dtype)
         return out
 
-    return decode(experts.w13, experts.w13_scale), decode(experts.w2, experts.w2_scale)
+    w13, w2 = experts.source_order_weights()
+    return decode(w13, experts.w13_scale), decode(w2, experts.w2_scale)
 
 
 class TorchGroupedMMArm(Arm):
@@ -580,9 +581,10 @@ class FlashInferArm(Arm):
         self.fi = fi
         self.shape = shape
         half = shape.I
-        w13 = torch.cat((experts.w13[:, half:], experts.w13[:, :half]), dim=1).contiguous()  # [up; gate] = "w3w1"
+        w13, w2 = experts.source_order_weights()
+        w13 = torch.cat((w13[:, half:], w13[:, :half]), dim=1).contiguous()  # [up; gate] = "w3w1"
         s13 = torch.cat((experts.w13_scale[:, half:], experts.w13_scale[:, :half]), dim=1).contiguous()
-        w2, s2 = experts.w2, experts.w2_scale
+        s2 = experts.w2_scale
         if hasattr(fi, "interleave_moe_weights_for_sm90_mixed_gemm"):
             w13 = fi.interleave_moe_weights_for_sm90_mixed_gemm(w13, "fp4")
             w2 = fi.interleave_moe_weights_for_sm90_mixed_gemm(w2.contiguous(), "fp4")

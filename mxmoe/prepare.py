@@ -2,8 +2,13 @@
 
 Layout (``PreparedExperts``):
 
-* ``w13``  uint8 ``[E, 2I, H/2]``, rows normalized to ``[gate; up]``, K-contiguous, source nibbles.
-* ``w13_scale`` uint8 ``[E, 2I, H/32]``; ``w2`` uint8 ``[E, H, I/2]``; ``w2_scale`` uint8 ``[E, H, I/32]``.
+* ``w13``  uint8 ``[E, 2I, H/2]``, rows normalized to ``[gate; up]``, K-contiguous, source nibbles, the
+  16 bytes of every K32 block stored transposed as a 4x4 byte matrix (:func:`swap_block_bytes`):
+  stored byte ``4q + i`` holds source byte ``4i + q`` (K pair ``4i + q``). Then the 32-bit word q of a
+  block holds K pairs (2q, 2q+1), (2q+8, 2q+9), (2q+16, ..), (2q+24, ..), which are exactly the pairs of
+  a wgmma BF16 register operand held by lane ``q = lane % 4``: one 32-bit load per thread and block.
+* ``w13_scale`` uint8 ``[E, 2I, H/32]``; ``w2`` uint8 ``[E, H, I/2]`` (same byte order);
+  ``w2_scale`` uint8 ``[E, H, I/32]``.
 * ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
   largest scale byte). The W4A16 kernels fold ``2**(b - ref)`` into the BF16 weights (BF16
   holds any fold exactly) and apply ``2**(ref - 127)`` once per row in the FP32 epilogue.
@@ -72,9 +77,30 @@ class PreparedExperts:
         parts["bits_per_weight_all"] = 8.0 * parts["total"] / max(n_weights, 1)
         return parts
 
+    def source_order_weights(self) -> tuple:
+        """``(w13, w2)`` packed bytes in source order (``[gate; up]`` rows): what a plain MXFP4 decoder reads."""
+        return swap_block_bytes(self.w13), swap_block_bytes(self.w2)
+
     def to(self, device) -> "PreparedExperts":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PreparedExperts(**{k: move(v) if isinstance(v, torch.Tensor) or v is None else v for k, v in self.__dict__.items()})
+
+
+def swap_block_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 ``[..., K/2]`` with the 16 bytes of each K32 block transposed as a 4x4 matrix (byte
+    ``4i + q`` <-> ``4q + i``); its own inverse: source order <-> prepared order."""
+    shape = packed.shape
+    return packed.reshape(*shape[:-1], shape[-1] // 16, 4, 4).transpose(-1, -2).reshape(shape).contiguous()
+
+
+def e4m3_slot_order(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` (K a multiple of 32) with each K32 block in the order the W4A8 kernels read FP8
+    activations: slot ``16 (i >> 1) + 4q + 2 (i & 1) + n`` holds K ``8i + 2q + n``. That is the order in
+    which the E4M3 conversion of the prepared (block-transposed) words lands in wgmma's FP8 register
+    operand: lane q's two 32-bit registers hold the values of its stored word q, bytes i = 0, 1 and 2, 3."""
+    shape = x.shape
+    v = x.reshape(*shape[:-1], shape[-1] // 32, 2, 2, 4, 2)  # K = 32 b + 16 i1 + 8 i0 + 2 q + n
+    return v.transpose(-2, -3).reshape(shape).contiguous()  # slot = 32 b + 16 i1 + 4 q + 2 i0 + n
 
 
 def _row_ref(scale_u8: torch.Tensor) -> torch.Tensor:
@@ -176,7 +202,7 @@ def prepare_weights(
     s13_n = _to_gate_up(s13, w13_layout)
 
     return PreparedExperts(
-        w13=w13_n, w13_scale=s13_n, w2=w2.contiguous(), w2_scale=s2.contiguous(),
+        w13=swap_block_bytes(w13_n), w13_scale=s13_n, w2=swap_block_bytes(w2), w2_scale=s2.contiguous(),
         w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
@@ -195,9 +221,9 @@ def unprepare_weights(experts: PreparedExperts) -> dict:
 
     layout = experts.source_layout
     out = dict(
-        w13=_from_gate_up(experts.w13, layout).contiguous(),
+        w13=_from_gate_up(swap_block_bytes(experts.w13), layout).contiguous(),
         w13_scale=scale(_from_gate_up(experts.w13_scale, layout).contiguous(), experts.source_scale_dtypes[0]),
-        w2=experts.w2.clone(), w2_scale=scale(experts.w2_scale.clone(), experts.source_scale_dtypes[1]), w13_layout=layout,
+        w2=swap_block_bytes(experts.w2), w2_scale=scale(experts.w2_scale.clone(), experts.source_scale_dtypes[1]), w13_layout=layout,
     )
     if experts.b13 is not None:
         out["b13"] = _from_gate_up(experts.b13.unsqueeze(-1), layout).squeeze(-1).contiguous()

@@ -1,7 +1,8 @@
 """Compile the GEMM kernels for sm_90a on the CPU: tensor-core MMA (wgmma) in the SASS, no spills.
 
 Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill (plain
-template), and prefill for the warp-specialized Gluon kernel (``MXMOE_KERNEL=auto`` picks it there). The
+template), prefill for the warp-specialized Gluon kernel and W4A16 decode and small batches for the
+small-tile Gluon kernel (``MXMOE_KERNEL=auto`` picks the Gluon kernels there). The
 compile runs in a subprocess without TRITON_INTERPRET (which the CPU test session sets, and
 which makes the kernels interpreter objects at import).
 """
@@ -23,11 +24,13 @@ def reports():
 
 
 def test_every_config_compiled(reports):
-    assert len(reports) == 12
+    assert len(reports) == 16
     assert sum(r["kernel"] == "gluon" for r in reports) == 4
+    assert sum(r["kernel"] == "gluon_small" for r in reports) == 4
+    assert {r["config"]["block_rows"] for r in reports if r["kernel"] == "gluon_small"} == {16, 64}
 
 
-@pytest.mark.parametrize("index", range(12))
+@pytest.mark.parametrize("index", range(16))
 def test_gemm_uses_wgmma_without_spills(reports, index):
     r = reports[index]
     expected = "QGMMA" if r["fp8"] else "HGMMA"

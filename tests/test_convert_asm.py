@@ -58,6 +58,12 @@ def run_asm(text: str, args: list) -> list:
         if ins.startswith(".reg"):
             continue
         op, rest = ins.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):  # split a 32-bit value into two 16-bit registers
+            pair, src_reg = rest.split("}")
+            lo_reg, hi_reg = (t.strip() for t in pair.strip("{").split(","))
+            v = val(src_reg.strip(" ,"))
+            regs[lo_reg], regs[hi_reg] = v & 0xFFFF, v >> 16
+            continue
         ops = [t.strip() for t in rest.split(",")]
         d, src = ops[0], [val(t) for t in ops[1:]]
         if op == "and.b32":
@@ -136,3 +142,31 @@ def test_plain_kernel_asm_forms_agree_with_the_korder_ones():
         order = [0, 2, 4, 6, 1, 3, 5, 7]
         for bits, k in zip(halves, order):
             assert _bf16_to_f32(bits) == float(E2M1_VALUES[codes[k]]) * 2.0**-126
+
+
+def test_bf16_halves_asm_is_the_korder_asm_split_in_halves():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        word = int(rng.integers(0, 2**32))
+        f = max(253 + int(rng.integers(-40, 1)), 0) << 7
+        pairs = run_asm(convert.E2M1X8_TO_BF16_KORDER_ASM.value, [word, f | (f << 16)])
+        halves = run_asm(convert.E2M1X8_TO_BF16_HALVES_ASM.value, [word, f | (f << 16)])
+        assert halves == [p >> (16 * h) & 0xFFFF for p in pairs for h in range(2)]
+
+
+def test_fp8_stored_words_give_the_activation_slot_order():
+    """The W4A8 converters' claim for prepared (block-transposed) bytes: stored word q gives the E4M3 values
+    of activation slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3 of ``prepare.e4m3_slot_order``."""
+    from mxmoe.prepare import e4m3_slot_order, swap_block_bytes
+
+    rng = np.random.default_rng(4)
+    for _ in range(50):
+        block = torch.tensor(rng.integers(0, 256, 16), dtype=torch.uint8)
+        codes = [(block[k // 2].item() >> (4 * (k % 2))) & 15 for k in range(32)]
+        k_order = [_e4m3_byte(float(E2M1_VALUES[c]) * 2.0**-6) for c in codes]
+        slots = e4m3_slot_order(torch.tensor(k_order)).tolist()
+        stored = swap_block_bytes(block[None])[0].tolist()
+        for q in range(4):
+            o0, o1 = run_asm(convert.E2M1X8_TO_E4M3_KORDER_ASM.value, [int.from_bytes(bytes(stored[4 * q:4 * q + 4]), "little")])
+            assert [(o0 >> (8 * i)) & 0xFF for i in range(4)] == slots[4 * q:4 * q + 4]
+            assert [(o1 >> (8 * i)) & 0xFF for i in range(4)] == slots[16 + 4 * q:16 + 4 * q + 4]

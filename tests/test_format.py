@@ -282,8 +282,9 @@ def check_loaded(loaded: dict, sd: dict, scheme: str):
     assert torch.equal(loaded["b2"], sd[prefix + bias2])
     # it feeds prepare_weights directly; interleaved rows become [gate; up]
     experts = prepare_weights(**loaded)
-    assert torch.equal(experts.w13[:, :I], loaded["w13"][:, 0::2])
-    assert torch.equal(experts.w13[:, I:], loaded["w13"][:, 1::2])
+    w13, _ = experts.source_order_weights()
+    assert torch.equal(w13[:, :I], loaded["w13"][:, 0::2])
+    assert torch.equal(w13[:, I:], loaded["w13"][:, 1::2])
     assert torch.equal(experts.b13[:, :I], loaded["b13"][:, 0::2].float())
 
 

@@ -103,17 +103,24 @@ def test_all_routes_masked_gives_zeros():
 
 
 @pytest.mark.parametrize("block_rows", [16, 32])
-def test_device_route_pack_matches_torch_pack(block_rows):
-    from mxmoe._details.launch import Workspace
+@pytest.mark.parametrize("tokens,mapped", [(40, False), (40, True), (400, False)])  # one launch / the multi-kernel pack
+def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped):
+    from mxmoe._details.launch import ROUTE_BLOCK, Workspace
 
-    E, T, top_k = 7, 40, 3
+    E, T, top_k = 7, tokens, 3
+    assert (T * top_k <= ROUTE_BLOCK) == (tokens == 40)
     ex = experts(E, 64, 64)
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(-1, E + 1, (T, top_k), generator=g, dtype=torch.int32)
+    emap = None
+    if mapped:  # 10 global experts, 3 of them not here
+        emap = torch.tensor([0, -1, 1, 2, 3, -1, 4, 5, 6, -1], dtype=torch.int32)
+    ids = torch.randint(-1, (E if emap is None else 10) + 1, (T, top_k), generator=g, dtype=torch.int32)
     ids[:10, 0] = 2  # hot expert
     ws = Workspace(ex, T, top_k)
-    pack = ws.route_pack(ids, None, block_rows, E)
-    ref = mxmoe.route_pack(ids, E, block_rows)
+    ws.sorted_routes.fill_(7)  # stale contents from an earlier call must not leak
+    ws.counts.fill_(3)
+    pack = ws.route_pack(ids, emap, block_rows, E)
+    ref = mxmoe.route_pack(ids, E, block_rows, expert_map=emap)
     assert torch.equal(pack.expert_counts, ref.expert_counts)
     assert torch.equal(pack.segment_offsets, ref.segment_offsets)
     assert torch.equal(pack.num_tiles, ref.num_tiles)
@@ -132,15 +139,18 @@ def test_device_route_pack_matches_torch_pack(block_rows):
 
 def test_row_quantizer_matches_reference():
     from mxmoe._details.launch import _quantize_rows
+    from mxmoe.prepare import e4m3_slot_order
     from mxmoe.reference import quantize_rows_fp8
 
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(6, 200, generator=g) * torch.tensor([1, 1e-3, 1e3, 0, 7, 1])[:, None]
+    x = torch.randn(6, 224, generator=g) * torch.tensor([1, 1e-3, 1e3, 0, 7, 1])[:, None]
     x[4, :10] = torch.tensor([448 * 7 / 0.999, -3.5, 2.25, 1e-9, -0.0, 5, 6, 7, 8, 9])
-    q = torch.empty(6, 200, dtype=torch.float8_e4m3fn)
+    q = torch.empty(6, 224, dtype=torch.float8_e4m3fn)
     s = torch.empty(6)
     _quantize_rows(x, q, s)
     q_ref, s_ref = quantize_rows_fp8(x)
     assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # stored in the W4A8 kernels' slot order within each K32 block
+    assert torch.equal(q.view(torch.uint8), e4m3_slot_order(q_ref.view(torch.uint8)))
     assert (s[3] == 0) and (q[3].float() == 0).all()
+

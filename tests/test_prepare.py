@@ -80,11 +80,12 @@ def test_prepared_w13_is_gate_then_up(layout, decode_f64):
     experts = prepare_weights(**src, w13_layout=layout)
     gate_w, up_w = halves["w"]
     gate_s, up_s = halves["s"]
-    assert torch.equal(experts.w13, torch.cat((gate_w, up_w), dim=1))
+    w13, w2 = experts.source_order_weights()
+    assert torch.equal(w13, torch.cat((gate_w, up_w), dim=1))
     assert torch.equal(experts.w13_scale.view(torch.uint8), torch.cat((gate_s, up_s), dim=1))
     assert torch.equal(experts.b13, torch.cat(halves["b"], dim=1))
     # decoded values: prepared rows [0, I) are the source's gate rows, [I, 2I) its up rows
-    decoded = decode_f64(experts.w13, experts.w13_scale)
+    decoded = decode_f64(w13, experts.w13_scale)
     source = decode_f64(src["w13"], src["w13_scale"])
     assert torch.equal(decoded[:, :I], decode_f64(gate_w, gate_s))
     assert torch.equal(decoded[:, I:], decode_f64(up_w, up_s))
@@ -92,8 +93,25 @@ def test_prepared_w13_is_gate_then_up(layout, decode_f64):
         assert torch.equal(decoded[:, :I], source[:, 0::2]) and torch.equal(decoded[:, I:], source[:, 1::2])
     elif layout == "up_gate":
         assert torch.equal(decoded[:, :I], source[:, I:]) and torch.equal(decoded[:, I:], source[:, :I])
-    # w2 is untouched
-    assert torch.equal(experts.w2, src["w2"]) and torch.equal(experts.w2_scale, src["w2_scale"])
+    # w2 keeps its rows
+    assert torch.equal(w2, src["w2"]) and torch.equal(experts.w2_scale, src["w2_scale"])
+
+
+def test_prepared_bytes_are_block_transposed():
+    """Stored byte 4q + i of each K32 block is source byte 4i + q, so 32-bit word q holds K pairs q, q+4,
+    q+8, q+12 (one wgmma register-operand lane's pairs); swapping twice is the identity."""
+    from mxmoe.prepare import swap_block_bytes
+
+    src, _ = source_in_layout("gate_up", seed=5)
+    experts = prepare_weights(**src)
+    w = src["w2"]
+    stored = experts.w2
+    for q in range(4):
+        for i in range(4):
+            assert torch.equal(stored[..., 4 * q + i::16], w[..., 4 * i + q::16])
+    assert torch.equal(swap_block_bytes(swap_block_bytes(w)), w)
+    word = stored[0, 0, :16].numpy().view("<u4")[1]  # word q = 1 of block 0
+    assert [(int(word) >> (8 * i)) & 0xFF for i in range(4)] == [int(w[0, 0, 4 * i + 1]) for i in range(4)]
 
 
 def test_prepared_properties_and_global_scales():

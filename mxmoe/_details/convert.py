@@ -143,6 +143,22 @@ E2M1X8_TO_E4M3_KORDER_ASM = tl.constexpr("""{
 (K 1, 3, 5, 7) with ``eem`` moved to bits 4..2 and the sign to bit 7 of each byte, then two prmt
 interleave them."""
 
+E2M1X8_TO_BF16_HALVES_ASM = tl.constexpr("""{
+        .reg .b32 a, b, t;
+        and.b32 a, $8, 0x0F0F0F0F; shr.b32 b, $8, 4; and.b32 b, b, 0x0F0F0F0F;
+        prmt.b32 t, a, b, 0x8480; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
+        mov.b32 {$0, $1}, t;
+        prmt.b32 t, a, b, 0x8581; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
+        mov.b32 {$2, $3}, t;
+        prmt.b32 t, a, b, 0x8682; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
+        mov.b32 {$4, $5}, t;
+        prmt.b32 t, a, b, 0x8783; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
+        mov.b32 {$6, $7}, t;
+        }""")
+"""``E2M1X8_TO_BF16_KORDER_ASM`` with each BF16x2 result split into its halves: $0..$7 (16-bit) = the
+values of K 0..7 of the word $8, times the BF16x2 factor $9. For a register operand built from separate
+BF16 values (Gluon has no 32-to-2x16-bit register bitcast); ptxas keeps each pair in one register."""
+
 
 @triton.jit
 def e2m1x8_to_bf16_scaled_by_2pow126(packed):

@@ -8,7 +8,8 @@ from .convert import fp32_to_e4m3_rne, store_rounded
 @triton.jit
 def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_ptr, K,
                          CHECK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PURE: tl.constexpr):
-    """q[row] = RNE(x[row] / s) saturated to +-448 as E4M3, s = amax(|x[row]|) / 448 (0 for a zero row).
+    """q[row] = RNE(x[row] / s) saturated to +-448 as E4M3, s = amax(|x[row]|) / 448 (0 for a zero row),
+    each K32 block stored in the W4A8 kernels' slot order (``prepare.e4m3_slot_order``; K % 32 == 0).
 
     With ``CHECK_ROWS`` rows whose ``row_valid`` entry is negative (route-pack padding) are skipped.
     """
@@ -33,7 +34,9 @@ def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_
             q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
         else:
             q = v.to(tl.float8e4nv)
-        tl.store(q_row + offs, q, mask=offs < K)
+        # K = 32 b + 16 i1 + 8 i0 + 2 q + n goes to slot 32 b + 16 i1 + 4 q + 2 i0 + n
+        slot = (offs & ~15) + ((offs & 6) << 1) + ((offs & 8) >> 2) + (offs & 1)
+        tl.store(q_row + slot, q, mask=offs < K)
     tl.store(scale_ptr + row, scale)
 
 

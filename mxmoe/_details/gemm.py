@@ -39,6 +39,20 @@ def _e4m3_weights(packed, BM: tl.constexpr, PURE: tl.constexpr):
 
 
 @triton.jit
+def _source_order(packed, BM: tl.constexpr, BK: tl.constexpr):
+    """A packed tile [BM, BK/2] as stored (the bytes of each K32 block transposed, ``prepare``) -> source
+    byte order (byte j = K 2j, 2j+1)."""
+    return packed.reshape(BM, BK // 32, 4, 4).permute(0, 1, 3, 2).reshape(BM, BK // 2)
+
+
+@triton.jit
+def _slot_order(packed, BM: tl.constexpr):
+    """A stored K32 block [BM, 16] -> its bytes in the FP8 activations' slot order (``prepare.e4m3_slot_order``):
+    stored byte 4q + 2 i1 + i0 (K 8i + 2q, + 1) to byte 8 i1 + 2q + i0."""
+    return packed.reshape(BM, 4, 2, 2).permute(0, 2, 1, 3).reshape(BM, 16)
+
+
+@triton.jit
 def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
               PURE: tl.constexpr):
     """acc += one [BM, BK] weight tile · a, every K32 block scale applied exactly.
@@ -51,15 +65,15 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
     """
     packed = tl.load(w_ptrs)
     sc = tl.load(s_ptrs).to(tl.int32)
-    if FP8:
-        w = _e4m3_weights(packed, BM, PURE)
+    if FP8:  # the activations come in slot order (the row quantizer), so the weights go the same way
+        w = _e4m3_weights(_slot_order(packed, BM), BM, PURE)
         if PURE:  # the interpreter's bf16/fp8 dot is wrong: multiply exact FP32 copies instead
             part = tl.dot(w.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(w, a)
         return acc + part * pow2(tl.sum(sc, axis=1) - 121)[:, None]
     else:
-        w = _bf16_weights(packed, sc - ref[:, None], BM, BK, PURE)
+        w = _bf16_weights(_source_order(packed, BM, BK), sc - ref[:, None], BM, BK, PURE)
         if PURE:
             return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
         else:

@@ -1,33 +1,39 @@
-"""Hopper main loop of the MoE GEMM template in Gluon: warp-specialized, async wgmma.
+"""Hopper main loops of the MoE GEMM template in Gluon.
 
 Same contract and arguments as :func:`gemm.moe_gemm_kernel` (``W · Aᵀ``: weight rows are the
-MMA's M, routed rows its N), for both precisions. Plain Triton 3.6 waits on every wgmma, so
-conversion and MMA never overlap there; here the partitions run concurrently per program:
+MMA's M, routed rows its N). Two kernels:
 
-- loader (4 warps): 16-B ``cp.async`` of the packed E2M1 tiles (gate and up rows) and of the
-  gathered activation rows into a ring of ``NUM_STAGES`` stages (no TMA gather on sm90);
-- converter (4 warps): E2M1 -> BF16
-  with the K32 block scale folded (W4A16, as in ``gemm``) or -> E4M3 * 2**-6 (W4A8, exact), in
-  K order by inline asm, stored as 32-bit words into the stage's NVMMA-swizzled tile; for W4A8
-  also each block's FP32 factor 2**(b - 121);
-- MMA + epilogue (default partition, one or two warpgroups): async ``warpgroup_mma`` on shared
-  operands. W4A16 chains the stages into the FP32 accumulators with one stage in flight. W4A8
-  runs each K32 block from zero and multiplies its partial sum by the block factor into the FP32
-  accumulators: exact scales, and Hopper's reduced-precision FP8 accumulation never spans more
-  than 32 products. ptxas serializes a warpgroup's wgmma once other instructions read an
-  accumulator inside its pipeline, so each block waits for its MMA; with two warpgroups one
-  group's MMA runs while the other rescales.
+- ``moe_gemm_small_kernel`` (W4A16, small route tiles: decode, small batches): one warpgroup reads
+  exactly its wgmma register-operand words of the prepared (block-transposed) weights and converts
+  them in registers; no shared-memory round trip for the converted weights (see below).
+- ``moe_gemm_ws_kernel`` (prefill tiles, both precisions): warp-specialized, async wgmma. Plain
+  Triton 3.6 waits on every wgmma, so conversion and MMA never overlap there; here the partitions
+  run concurrently per program:
 
-Barriers per stage: ``loaded`` (every loader thread's cp.async landed), ``converted``
-(weights converted), ``consumed`` (the stage's MMAs finished: activation, converted and
-packed buffers may be refilled).
+  - loader (4 warps): 16-B ``cp.async`` of the packed E2M1 tiles (gate and up rows) and of the
+    gathered activation rows into a ring of ``NUM_STAGES`` stages (no TMA gather on sm90);
+  - converter (4 warps): E2M1 -> BF16 with the K32 block scale folded (W4A16, as in ``gemm``; K
+    order) or -> E4M3 * 2**-6 (W4A8, exact; in the slot order the row quantizer stores activations
+    in, ``prepare.e4m3_slot_order``) by inline asm, stored as 32-bit words into the stage's
+    NVMMA-swizzled tile; for W4A8 also each block's FP32 factor 2**(b - 121);
+  - MMA + epilogue (default partition, one or two warpgroups): async ``warpgroup_mma`` on shared
+    operands. W4A16 chains the stages into the FP32 accumulators with one stage in flight. W4A8
+    runs each K32 block from zero and multiplies its partial sum by the block factor into the FP32
+    accumulators: exact scales, and Hopper's reduced-precision FP8 accumulation never spans more
+    than 32 products. ptxas serializes a warpgroup's wgmma once other instructions read an
+    accumulator inside its pipeline, so each block waits for its MMA; with two warpgroups one
+    group's MMA runs while the other rescales.
+
+  Barriers per stage: ``loaded`` (every loader thread's cp.async landed), ``converted``
+  (weights converted), ``consumed`` (the stage's MMAs finished: activation, converted and
+  packed buffers may be refilled).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .convert import E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_KORDER_ASM
+from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_KORDER_ASM
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -42,21 +48,29 @@ def _pow2(exp):
 
 
 @gluon.jit
-def _loader(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, N, K, num_k,
-            packed, act, loaded, consumed,
-            GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-            NUM_STAGES: gl.constexpr):
+def _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr):
+    """(expert, first output row n0, first weight row, first route-pack slot) of program (pid_n, pid_t)."""
+    expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
+    n0 = pid_n * BM
+    return expert, n0, expert * (NH * N) + n0, pid_t * BT
+
+
+@gluon.jit
+def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
+                   GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr):
+    """16-B ``cp.async`` sources of a tile's first K step, for the calling partition's warps: packed rows
+    [BM, BK/2] (BK/2 bytes = BK/32 chunks of 16 B) and the gathered activation rows [BT, BK] (GEMM1 the
+    token of each route, GEMM2 the slot itself); ``ok`` marks rows holding a route. Also the packed row
+    stride in bytes."""
     NC: gl.constexpr = BK // 32
-    # packed rows: BK/2 bytes = NC chunks of 16 B; activation rows: BK elements in 16-B chunks
     PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
-    EPV: gl.constexpr = 16 if FP8 else 8  # elements per 16-B copy
+    EPV: gl.constexpr = 128 // a_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-B copy
     CPR: gl.constexpr = BK // EPV
     AL: gl.constexpr = gl.BlockedLayout([1, EPV], [32 // CPR, CPR], [gl.num_warps(), 1], [1, 0])
     row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
     pm = gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
     pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
     w_ptrs = w_ptr + (w_row0 + pm.to(gl.int64))[:, None] * row_bytes + pk[None, :]
-    # the gathered activation rows: GEMM1 the token of each route, GEMM2 the slot itself
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
     routes = gl.load(routes_ptr + slots)
     ok = routes >= 0
@@ -64,8 +78,17 @@ def _loader(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, N, K, num_
         rows = gl.where(ok, routes // top_k, 0).to(gl.int64)
     else:
         rows = slots.to(gl.int64)
-    ak = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
-    a_ptrs = a_ptr + rows[:, None] * stride_a + ak[None, :]
+    a_ptrs = a_ptr + rows[:, None] * stride_a + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :]
+    return w_ptrs, a_ptrs, ok, row_bytes
+
+
+@gluon.jit
+def _loader(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, N, K, num_k,
+            packed, act, loaded, consumed,
+            GEMM1: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+            NUM_STAGES: gl.constexpr):
+    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
+                                                   GEMM1, BM, BT, BK)
     for i in range(num_k):
         s = i % NUM_STAGES
         mbarrier.wait(consumed.index(s), ((i // NUM_STAGES) & 1) ^ 1)
@@ -171,9 +194,11 @@ def _converter(s_ptr, ref_ptr, w_row0, N, K, num_k,
                     # this stage's scale bytes: a compile-time column of the in-thread group tile
                     b = gl.convert_layout(gl.sum(gl.where((gg == g)[None, :, None], sc, 0), axis=1), SL)
                     if FP8:
+                        # stored word q -> E4M3 of activation slots 4q .. 4q+3 (o0) and 16 + 4q .. (o1): the
+                        # row quantizer stores activations in that slot order (prepare.e4m3_slot_order)
                         o0, o1 = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_KORDER_ASM, "=r,=r,r", [p],
                                                            dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-                        w = gl.join(o0, o1).reshape(BM, BK // 4)
+                        w = gl.join(o0, o1).reshape(BM, NC, 4, 2).permute((0, 1, 3, 2)).reshape(BM, BK // 4)
                         factors.index(s * NH + h).store(gl.permute(_pow2(b - 121), (1, 0)))
                     else:
                         # BF16x2 2**(126 + b - ref) (0 where it underflows) per block, beside every word of it
@@ -183,7 +208,9 @@ def _converter(s_ptr, ref_ptr, w_row0, N, K, num_k,
                         o0, o1, o2, o3 = gl.inline_asm_elementwise(E2M1X8_TO_BF16_KORDER_ASM, "=r,=r,=r,=r,r,r",
                                                                    [p, f2], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
                                                                    is_pure=True, pack=1)
-                        w = gl.join(gl.join(o0, o2), gl.join(o1, o3)).reshape(BM, BK // 2)
+                        # output j of stored word q is K pair 4j + q of the block
+                        w = gl.join(gl.join(o0, o2), gl.join(o1, o3)).reshape(BM, NC, 4, 4).permute((0, 1, 3, 2))
+                        w = w.reshape(BM, BK // 2)
                     wconv.index(s * NH + h)._reinterpret(gl.int32, [BM, BK * WPB // 16], conv_words).store(
                         gl.convert_layout(w, WL))
                 fence_async_shared()
@@ -259,9 +286,19 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
         if NH == 2:
             acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
 
-    # epilogue in the accumulator layout: no shared-memory round trip (its scratch would be as large as a
-    # pipeline stage); a warp's store covers 16-B pieces of 4 output rows, the L2 merges them
-    OUT: gl.constexpr = MMA
+    _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
+              expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE,
+              BM, BT, OUT_I64, MMA)
+
+
+@gluon.jit
+def _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
+              expert, w_row0, n0, slot0, N, top_k, limit, alpha,
+              GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr, HAS_BIAS: gl.constexpr,
+              HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, OUT_I64: gl.constexpr, OUT: gl.constexpr):
+    """Column scales, bias, activation (GEMM1) or routing weight (GEMM2) and the store, in the accumulator
+    layout ``OUT``: no shared-memory round trip (its scratch would be as large as a pipeline stage); a
+    warp's store covers 16-B pieces of 4 output rows, the L2 merges them."""
     g = acc_g
     offs_n = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, OUT))
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))
@@ -319,10 +356,7 @@ def moe_gemm_ws_kernel(
     if pid_t < gl.load(num_tiles_ptr):
         NC: gl.constexpr = BK // 32
         NH: gl.constexpr = 2 if GEMM1 else 1
-        expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
-        n0 = pid_n * BM
-        w_row0 = expert * (NH * N) + n0
-        slot0 = pid_t * BT
+        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH, BM, BT)
         num_k = K // BK
 
         w_dtype: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
@@ -350,7 +384,160 @@ def moe_gemm_ws_kernel(
                                  wconv, act, factors, loaded, converted, consumed,
                                  GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64)),
             (_loader, (w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k, w_row0, N, K, num_k,
-                       packed, act, loaded, consumed, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES)),
+                       packed, act, loaded, consumed, GEMM1, NH, BM, BT, BK, NUM_STAGES)),
             (_converter, (s_ptr, ref_ptr, w_row0, N, K, num_k, packed, wconv, factors, loaded, converted, consumed,
                           NH, FP8, BM, BK, NUM_STAGES)),
         ], [LOADER_WARPS, CONVERTER_WARPS], [LOADER_REGS, CONVERTER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small route tiles (decode, small batches): one warpgroup converts straight into wgmma's register
+# operand; no warp specialization.
+# ---------------------------------------------------------------------------------------------------
+
+
+@gluon.constexpr_function
+def _fragment_words_layout(BM, BK):
+    """Layout of a stage's packed tile as 32-bit words [BM, BK/32, 4] (row, K32 block, stored word q) in
+    which thread ``q = lane % 4`` holds word q of each (row, block) of rows r and r+8: the prepared layout
+    puts K pairs (2q, 2q+1), (2q+8, 2q+9), (2q+16, ..), (2q+24, ..) in it, the pairs of the wgmma m64k16
+    BF16 register operand of that thread (K chunks 0 and 1 of the block)."""
+    regs = [[8, 0, 0]] + [[0, 1 << j, 0] for j in range((BK // 32).bit_length() - 1)]
+    lanes = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [[16, 0, 0], [32, 0, 0]], [], [BM, BK // 32, 4])
+
+
+@gluon.jit
+def _fragment_words(packed_s, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr):
+    """A stage's packed [BM, BK/2] E2M1 (shared) as int32 words [BM, BK/32, 4] in ``WL``."""
+    words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    return packed_s._reinterpret(gl.int32, [BM, BK // 8], words).reshape([BM, BK // 32, 4]).load(WL)
+
+
+@gluon.jit
+def _bf16_operand(words, f, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """Words [BM, BK/32, 4] (``_fragment_words``) -> the BF16 register operand [BM, BK] of wgmma, each K32
+    block times its BF16x2 factor ``f`` ([BM, BK/32] int32 in ``SliceLayout(2, WL)``)."""
+    f4 = gl.expand_dims(f, 2) + gl.zeros([BM, BK // 32, 4], gl.int32, WL)
+    # x_{2i+c} = value c of byte i of stored word q: K 8i + 2q + c of the block
+    x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
+        E2M1X8_TO_BF16_HALVES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f4], dtype=(gl.bfloat16, ) * 8,
+        is_pure=True, pack=1)
+    w = gl.join(gl.join(gl.join(x0, x1), gl.join(x2, x3)), gl.join(gl.join(x4, x5), gl.join(x6, x7)))
+    # [BM, NB, q, c, i_lo, i_hi] -> [BM, NB, i_hi, i_lo, q, c]: K = 32 b + 16 i_hi + 8 i_lo + 2 q + c
+    w = w.permute((0, 1, 5, 4, 2, 3)).reshape([BM, BK])
+    return gl.convert_layout(w, DOT, assert_trivial=True)
+
+
+@gluon.jit
+def moe_gemm_small_kernel(
+    a_ptr, a_scale_ptr, stride_a,
+    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
+    out_ptr, stride_out, topk_weights_ptr,
+    N, K, top_k, limit, alpha,
+    GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
+    BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+    OUT_I64: gl.constexpr = True,
+):
+    """The ``moe_gemm_kernel`` contract for small route tiles, W4A16, one warpgroup (``num_warps=4``,
+    ``BM = 64``): a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the
+    gathered activation rows); each thread reads the packed bytes of exactly its wgmma operand pairs and
+    converts them in registers (K-ordered asm, block scale folded), then one wgmma per half."""
+    gl.static_assert(BM == 64 and gl.num_warps() == 4 and not FP8)
+    pid_n = gl.program_id(0)
+    pid_t = gl.program_id(1)
+    if pid_t < gl.load(num_tiles_ptr):
+        NB: gl.constexpr = BK // 32
+        NH: gl.constexpr = 2 if GEMM1 else 1
+        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH, BM, BT)
+        num_k = K // BK
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        WL: gl.constexpr = _fragment_words_layout(BM, BK)
+        SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
+
+        packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        act = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BT, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BT, BK], gl.bfloat16))
+        loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NUM_STAGES):
+            mbarrier.init(loaded.index(j), count=32 * gl.num_warps())
+
+        w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
+                                                       w_row0, K, GEMM1, BM, BT, BK)
+
+        # scale bytes and the row references, one value per (row, block) of the thread's operand
+        sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
+        sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
+        s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + sb[None, :]
+        up_scales = N * (K // 32)
+        ref_g = gl.load(ref_ptr + w_row0 + sm)[:, None]
+        ref_u = ref_g
+        if NH == 2:
+            ref_u = gl.load(ref_ptr + w_row0 + N + sm)[:, None]
+
+        for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
+            if j < num_k:
+                for h in gl.static_range(NH):
+                    async_copy.async_copy_global_to_shared(packed.index(j * NH + h), w_ptrs + h * N * row_bytes + j * (BK // 2))
+                async_copy.async_copy_global_to_shared(act.index(j), a_ptrs + j * BK, mask=ok[:, None])
+                async_copy.mbarrier_arrive(loaded.index(j), increment_count=False)
+
+        acc_g = gl.zeros((BM, BT), gl.float32, MMA)
+        acc_u = acc_g
+        sc_g = gl.load(s_ptrs).to(gl.int32)
+        sc_u = sc_g
+        if NH == 2:
+            sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
+        # software pipeline in registers: a step's codes are loaded (shared) during the step before, its
+        # scale bytes (global) one step before that is consumed
+        mbarrier.wait(loaded.index(0), 0)
+        codes_g = _fragment_words(packed.index(0), BM, BK, WL)
+        codes_u = codes_g
+        if NH == 2:
+            codes_u = _fragment_words(packed.index(1), BM, BK, WL)
+        for i in range(num_k):
+            s = i % NUM_STAGES
+            # refill the slot the previous step read (its MMA has completed: each step waits for its MMA)
+            nxt = i + NUM_STAGES - 1
+            if nxt < num_k:
+                t = nxt % NUM_STAGES
+                for h in gl.static_range(NH):
+                    async_copy.async_copy_global_to_shared(packed.index(t * NH + h), w_ptrs + h * N * row_bytes + nxt * (BK // 2))
+                async_copy.async_copy_global_to_shared(act.index(t), a_ptrs + nxt * BK, mask=ok[:, None])
+                async_copy.mbarrier_arrive(loaded.index(t), increment_count=False)
+            # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080; the
+            # scale registers are free once read, so the next step's load lands in them (no register move
+            # waiting for it at the loop's end)
+            f_g = gl.maximum(253 + sc_g - ref_g, 0) * 0x00800080
+            f_u = gl.maximum(253 + sc_u - ref_u, 0) * 0x00800080
+            if i + 1 < num_k:
+                sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+                if NH == 2:
+                    sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
+            cur_g = codes_g
+            cur_u = codes_u
+            if i + 1 < num_k:
+                t = (i + 1) % NUM_STAGES
+                mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
+                codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
+                if NH == 2:
+                    codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
+            xb = act.index(s).permute((1, 0))
+            acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
+            if NH == 2:
+                acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+            else:
+                acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+        acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
+        if NH == 2:
+            acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
+        _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                  topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
+                  HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)
+

@@ -1,7 +1,7 @@
 """Launch plan of the Triton path: workspace, tile configs, the kernel sequence.
 
 Run path (no allocation once the workspace exists, no host sync, capturable):
-route pack (2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 + activation ->
+route pack (one kernel up to 1024 routes, else 2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 + activation ->
 [W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> top-k sum.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..prepare import PreparedExperts
 from ..routing import RoutePack, route_pack_capacity
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
-from .routing_kernels import route_count_kernel, route_offsets_kernel, route_scatter_kernel
+from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 ROUTE_BLOCK = 1024
@@ -42,13 +42,15 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
                   shapes_ok: bool = True) -> str:
     """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the GEMM kernel on CUDA.
 
-    ``auto`` runs the warp-specialized Gluon kernel (``gemm_sm90``) on sm90 where it measured faster
-    than the plain-Triton template on the H200 (docs/perf-notes.md step 8): its two-warpgroup tiles,
-    i.e. route tiles of 128 rows for W4A16 and of 64 for W4A8 (prefill); the plain template elsewhere
-    (decode, small batches) and for shapes the Gluon kernel does not take (``shapes_ok``). Gluon is
-    experimental and its API moves between Triton releases, so ``auto`` takes it only on the Triton
-    it was validated on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon`` forces it on any. The
-    interpreter and CPU always run the plain template.
+    ``auto`` runs Gluon kernels on sm90 where they measured faster than the plain-Triton template on
+    the H200 (docs/perf-notes.md): the warp-specialized ``gemm_sm90.moe_gemm_ws_kernel`` for its
+    two-warpgroup tiles (route tiles of 128 rows for W4A16, 64 for W4A8: prefill), and for W4A16 on
+    smaller tiles (decode, small batches) ``gemm_sm90.moe_gemm_small_kernel``; the plain template for W4A8
+    on small tiles and for shapes the Gluon kernels do not take (``shapes_ok``). Gluon is experimental
+    and its API moves between Triton releases, so ``auto`` takes it only on the Triton it was validated
+    on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon`` forces the Gluon kernels on any (W4A8 small
+    tiles then run the warp-specialized kernel). The interpreter and CPU always run the plain template.
+    Returns ``"triton"``, ``"gluon"`` (warp-specialized) or ``"gluon_small"``.
     """
     choice = os.environ.get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
@@ -56,14 +58,15 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
+    cap = gluon_tile_cap(fp8)
+    big_tiles = tile_rows_for(rows, num_experts, cap=cap) >= cap
+    gluon = "gluon" if big_tiles or fp8 else "gluon_small"
     if choice == "gluon":
         if not hopper:
             raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
-        return "gluon" if shapes_ok else "triton"
-    cap = gluon_tile_cap(fp8)
-    big_tiles = tile_rows_for(rows, num_experts, cap=cap) >= cap
+        return gluon if shapes_ok else "triton"
     validated = gluon_validated(triton.__version__)
-    return "gluon" if hopper and validated and shapes_ok and big_tiles else "triton"
+    return gluon if hopper and validated and shapes_ok and (big_tiles or not fp8) else "triton"
 
 
 def gluon_tile_cap(fp8: bool) -> int:
@@ -81,12 +84,12 @@ def gluon_validated(version: str) -> bool:
 
 
 @functools.cache
-def _gluon_kernel():
+def _gluon_kernel(name: str = "gluon"):
     try:
-        from .gemm_sm90 import moe_gemm_ws_kernel
+        from .gemm_sm90 import moe_gemm_small_kernel, moe_gemm_ws_kernel
     except ImportError:  # a Triton without Gluon
         return None
-    return moe_gemm_ws_kernel
+    return moe_gemm_small_kernel if name == "gluon_small" else moe_gemm_ws_kernel
 
 
 def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1]) -> int:
@@ -102,6 +105,15 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
                 kernel: str = "triton", gemm1: bool = True) -> GemmConfig:
     override = dict(override or {})
     kernel = override.pop("kernel", kernel)
+    if kernel == "gluon_small":
+        if k % 64 or n % 64 or fp8:
+            raise ValueError("the small-tile Gluon kernel is W4A16 and needs N and K multiples of 64")
+        bt = tile_rows_for(rows, num_experts, cap=64)
+        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4)
+        cfg.update(override)
+        if k % cfg["block_k"]:
+            raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
+        return GemmConfig(kernel="gluon_small", **cfg)
     if kernel == "gluon":
         if k % 64 or n % 64:
             raise ValueError("the Gluon kernel needs N and K multiples of 64")
@@ -186,18 +198,25 @@ class Workspace:
         """Launch the route-pack kernels into this workspace; returns views of the pack."""
         R = topk_ids.numel()
         max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
-        self.counts.zero_()
-        sorted_routes = self.sorted_routes[:max_rows].fill_(-1)
-        grid = (triton.cdiv(R, ROUTE_BLOCK),)
+        sorted_routes = self.sorted_routes[:max_rows]
         n_global = num_experts if expert_map is None else expert_map.numel()
-        route_count_kernel[grid](topk_ids, expert_map if expert_map is not None else self.counts, self.counts,
-                                 self.route_expert, self.route_rank, R, num_experts, n_global,
-                                 HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK)
-        route_offsets_kernel[(1,)](self.counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
-                                   num_experts, max_tiles, BT=block_rows,
-                                   E_BLOCK=triton.next_power_of_2(num_experts), T_BLOCK=64)
-        route_scatter_kernel[grid](self.route_expert, self.route_rank, self.offsets, self.route_slot, sorted_routes,
-                                   R, BLOCK=ROUTE_BLOCK)
+        emap = expert_map if expert_map is not None else self.counts
+        e_block = triton.next_power_of_2(num_experts)
+        if R <= ROUTE_BLOCK:  # decode, small batches: one launch
+            route_pack_small_kernel[(1,)](topk_ids, emap, self.counts, self.offsets, self.tile_expert, self.tile_start,
+                                          self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
+                                          max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
+                                          BLOCK=ROUTE_BLOCK, E_BLOCK=e_block, T_BLOCK=64, num_warps=4)
+        else:
+            self.counts.zero_()
+            sorted_routes.fill_(-1)
+            grid = (triton.cdiv(R, ROUTE_BLOCK),)
+            route_count_kernel[grid](topk_ids, emap, self.counts, self.route_expert, self.route_rank, R, num_experts,
+                                     n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK)
+            route_offsets_kernel[(1,)](self.counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
+                                       num_experts, max_tiles, BT=block_rows, E_BLOCK=e_block, T_BLOCK=64)
+            route_scatter_kernel[grid](self.route_expert, self.route_rank, self.offsets, self.route_slot, sorted_routes,
+                                       R, BLOCK=ROUTE_BLOCK)
         return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
                          expert_counts=self.counts, segment_offsets=self.offsets,
                          tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],
@@ -229,6 +248,9 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         kernel = _gluon_kernel()
         extra = dict(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs,
                      OUT_I64=out.shape[0] * out.stride(0) >= 2**31)  # no interpreter form
+    elif cfg.kernel == "gluon_small":
+        kernel = _gluon_kernel("gluon_small")
+        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     else:

@@ -1,20 +1,21 @@
-"""Route pack on the device: three small Triton kernels, no host synchronization.
+"""Route pack on the device, no host synchronization.
 
 1. ``count``: each route's local expert (masking, ``expert_map``); its rank inside the
    expert claimed with an integer atomic (counts must be zero on entry).
 2. ``offsets`` (one program): padded segment offsets, the tile list and the tile count.
 3. ``scatter``: ``route_slot`` and ``sorted_routes`` (padding slots hold the sentinel,
    pre-filled by the caller).
+
+Up to ``BLOCK`` routes (decode, small batches), ``route_pack_small_kernel`` does all of it, the
+zero fill and the sentinel fill included, in one program: one launch instead of five.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, route_expert_ptr, route_rank_ptr,
-                       num_routes, num_experts, num_global,
-                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _local_experts(ids_ptr, expert_map_ptr, offs, num_routes, num_experts, num_global, HAS_MAP: tl.constexpr):
+    """(local expert or -1, valid) of the routes ``offs``."""
     in_range = offs < num_routes
     ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int64)
     valid = (ids >= 0) & (ids < num_global) & in_range
@@ -22,9 +23,17 @@ def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, route_expert_ptr, ro
     if HAS_MAP:
         local = tl.load(expert_map_ptr + local, mask=valid, other=-1).to(tl.int64)
     valid &= (local >= 0) & (local < num_experts)
-    local = tl.where(valid, local, -1)
+    return tl.where(valid, local, -1), valid
+
+
+@triton.jit
+def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, route_expert_ptr, route_rank_ptr,
+                       num_routes, num_experts, num_global,
+                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    local, valid = _local_experts(ids_ptr, expert_map_ptr, offs, num_routes, num_experts, num_global, HAS_MAP)
     rank = tl.atomic_add(counts_ptr + tl.where(valid, local, 0), tl.full((BLOCK,), 1, tl.int32), mask=valid)
-    tl.store(route_expert_ptr + offs, local.to(tl.int32), mask=in_range)
+    tl.store(route_expert_ptr + offs, local.to(tl.int32), mask=offs < num_routes)
     tl.store(route_rank_ptr + offs, rank, mask=valid)
 
 
@@ -32,8 +41,16 @@ def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, route_expert_ptr, ro
 def route_offsets_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr,
                          num_experts, max_tiles,
                          BT: tl.constexpr, E_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr):
+    _offsets_and_tiles(counts_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr, num_experts,
+                       max_tiles, BT, E_BLOCK, T_BLOCK)
+
+
+@triton.jit
+def _offsets_and_tiles(counts_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr,
+                       num_experts, max_tiles,
+                       BT: tl.constexpr, E_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr):
     e = tl.arange(0, E_BLOCK)
-    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0, volatile=True)
     tiles = (counts + BT - 1) // BT
     tile_end = tl.cumsum(tiles, axis=0)  # inclusive
     seg_end = tile_end * BT
@@ -61,4 +78,30 @@ def route_scatter_kernel(route_expert_ptr, route_rank_ptr, offsets_ptr, route_sl
     rank = tl.load(route_rank_ptr + offs, mask=valid, other=0)
     slot = tl.load(offsets_ptr + local, mask=valid, other=0) + rank
     tl.store(route_slot_ptr + offs, tl.where(valid, slot, -1), mask=in_range)
+    tl.store(sorted_routes_ptr + slot, offs, mask=valid)
+
+
+@triton.jit
+def route_pack_small_kernel(ids_ptr, expert_map_ptr, counts_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
+                            num_tiles_ptr, route_slot_ptr, sorted_routes_ptr,
+                            num_routes, num_experts, num_global, max_rows, max_tiles,
+                            HAS_MAP: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+                            T_BLOCK: tl.constexpr):
+    """The whole pack for at most ``BLOCK`` routes in one program (steps ordered by CTA barriers)."""
+    e = tl.arange(0, E_BLOCK)
+    tl.store(counts_ptr + e, tl.zeros((E_BLOCK,), tl.int32), mask=e < num_experts)
+    for r0 in range(0, max_rows, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        tl.store(sorted_routes_ptr + r, tl.full((BLOCK,), -1, tl.int32), mask=r < max_rows)
+    tl.debug_barrier()
+    offs = tl.arange(0, BLOCK)
+    local, valid = _local_experts(ids_ptr, expert_map_ptr, offs, num_routes, num_experts, num_global, HAS_MAP)
+    expert = tl.where(valid, local, 0)
+    rank = tl.atomic_add(counts_ptr + expert, tl.full((BLOCK,), 1, tl.int32), mask=valid)
+    tl.debug_barrier()
+    _offsets_and_tiles(counts_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr, num_experts,
+                       max_tiles, BT, E_BLOCK, T_BLOCK)
+    tl.debug_barrier()
+    slot = tl.load(offsets_ptr + expert, mask=valid, other=0, volatile=True) + rank
+    tl.store(route_slot_ptr + offs, tl.where(valid, slot, -1), mask=offs < num_routes)
     tl.store(sorted_routes_ptr + slot, offs, mask=valid)

@@ -61,6 +61,12 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         kernel, source = moe_gemm_ws_kernel, GluonASTSource
         const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs,
                      OUT_I64=False)
+    elif cfg.kernel == "gluon_small":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from .gemm_sm90 import moe_gemm_small_kernel
+        kernel, source = moe_gemm_small_kernel, GluonASTSource
+        const.update(OUT_I64=False)
     else:
         kernel, source = moe_gemm_kernel, ASTSource
         const.update(PURE=False)
@@ -91,22 +97,25 @@ def report(kernel) -> KernelReport:
     return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir)
 
 
-def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,)) -> list:
-    """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs, both precisions; the plain
-    template at every ``rows``, the Gluon kernel at ``gluon_rows``)."""
+def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
+                    small_rows=(8, 16384)) -> list:
+    """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
+    ``rows`` and the warp-specialized Gluon kernel at ``gluon_rows`` (both precisions), the small-tile
+    Gluon kernel at ``small_rows`` (W4A16)."""
     from .launch import gemm_config
 
     out = []
-    cases = [(kernel, r) for kernel, rs in (("triton", rows), ("gluon", gluon_rows)) for r in rs]
-    for kernel, r in cases:
-        for fp8 in (False, True):
-            for gemm1 in (True, False):
-                n, k = (I, H) if gemm1 else (H, I)
-                cfg = gemm_config(r, E, n, k, fp8, kernel=kernel, gemm1=gemm1)
-                rep = report(compile_gemm(gemm1, fp8, cfg))
-                out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
-                                spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
-                                async_copies=rep.async_copies))
+    cases = [(kernel, r, fp8) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False, True)),
+                                                      ("gluon_small", small_rows, (False,)))
+             for r in rs for fp8 in fp8s]
+    for kernel, r, fp8 in cases:
+        for gemm1 in (True, False):
+            n, k = (I, H) if gemm1 else (H, I)
+            cfg = gemm_config(r, E, n, k, fp8, kernel=kernel, gemm1=gemm1)
+            rep = report(compile_gemm(gemm1, fp8, cfg))
+            out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
+                            spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
+                            async_copies=rep.async_copies))
     return out
 
 
