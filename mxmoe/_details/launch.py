@@ -251,11 +251,11 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
     elif cfg.kernel == "gluon_small":
         kernel = _gluon_kernel("gluon_small")
         extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
-        if cfg.maxnreg:
-            extra["maxnreg"] = cfg.maxnreg
     else:
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
+    if cfg.maxnreg and cfg.kernel != "triton":
+        extra["maxnreg"] = cfg.maxnreg
     kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
         w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
