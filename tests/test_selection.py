@@ -106,3 +106,29 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
 
     monkeypatch.setenv("MXMOE_KERNEL", value)
     assert kernel_choice(torch.device("cpu"), rows=65536, num_experts=8) == "triton"
+
+
+@pytest.mark.parametrize("env,version,fp8,rows,expected", [
+    ("auto", "3.6.0", False, 8, "gluon_small"),         # W4A16 decode: the small-tile kernel
+    ("auto", "3.6.0", False, 288 * 64, "gluon_small"),  # 64 rows per expert: still small tiles
+    ("auto", "3.6.0", False, 288 * 200, "gluon"),       # prefill tiles: warp-specialized
+    ("auto", "3.6.0", True, 8, "triton"),               # W4A8 small tiles: the plain template
+    ("auto", "3.6.0", True, 288 * 200, "gluon"),
+    ("auto", "3.7.0", False, 8, "triton"),              # not validated on this Triton
+    ("gluon", "3.7.0", False, 8, "gluon_small"),        # forced
+    ("gluon", "3.6.0", True, 8, "gluon"),               # forced: W4A8 small tiles on the warp-specialized one
+    ("triton", "3.6.0", False, 288 * 200, "triton"),
+])
+def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, expected):
+    """The choice on an sm90 device (capability, Gluon availability and Triton version stubbed: no GPU needed)."""
+    import torch
+
+    from mxmoe._details import launch
+
+    monkeypatch.setenv("MXMOE_KERNEL", env)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "_gluon_kernel", lambda name="gluon": object())
+    monkeypatch.setattr(launch.triton, "__version__", version)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8) == expected
+    assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False) == "triton"
