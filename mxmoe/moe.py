@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ._details import interpreting
-from .prepare import PreparedExperts
+from .prepare import PreparedExperts, check_layout_version
 from .reference import ACTIVATIONS, activation_params, fused_moe_reference
 from .selection import select_precision
 
@@ -48,6 +48,7 @@ def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_lim
     """Every check of SPEC §7; raises before any work. Returns (T, top_k)."""
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts must be a PreparedExperts (from mxmoe.prepare_weights), got {type(experts).__name__}")
+    check_layout_version(experts)
     device = experts.device
     _check_tensor(x, "x", (torch.bfloat16,), 2, device)
     if x.shape[1] != experts.hidden_size:

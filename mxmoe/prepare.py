@@ -28,6 +28,9 @@ import torch
 from .format import BLOCK_K, check_no_nan_scales, scales_as_uint8
 
 W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
+# the byte layout the kernels read; bumped when it changes (2: K32 blocks stored byte-transposed), so that
+# experts prepared by another mxmoe version (e.g. unpickled) are refused instead of decoded wrongly
+LAYOUT_VERSION = 2
 
 
 @dataclass
@@ -46,6 +49,7 @@ class PreparedExperts:
     w2_global_scale: Optional[torch.Tensor]
     source_layout: str
     source_scale_dtypes: tuple  # (w13_scale, w2_scale) dtypes as given, for unprepare_weights
+    layout_version: int = LAYOUT_VERSION
 
     @property
     def num_experts(self) -> int:
@@ -84,6 +88,16 @@ class PreparedExperts:
     def to(self, device) -> "PreparedExperts":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PreparedExperts(**{k: move(v) if isinstance(v, torch.Tensor) or v is None else v for k, v in self.__dict__.items()})
+
+
+def check_layout_version(experts: "PreparedExperts") -> None:
+    """Raise if ``experts`` was prepared with another byte layout than this mxmoe's."""
+    # objects from before the field (unpickled) have the first layout; the class default must not stand in
+    version = vars(experts).get("layout_version", 1)
+    if version != LAYOUT_VERSION:
+        raise ValueError(f"experts were prepared with layout version {version}, this mxmoe reads version "
+                         f"{LAYOUT_VERSION}: unprepare them with the mxmoe that prepared them, or prepare the "
+                         "source weights again with mxmoe.prepare_weights")
 
 
 def swap_block_bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -219,6 +233,7 @@ def unprepare_weights(experts: PreparedExperts) -> dict:
     def scale(t, dtype):
         return t.view(dtype) if dtype != torch.uint8 else t
 
+    check_layout_version(experts)
     layout = experts.source_layout
     out = dict(
         w13=_from_gate_up(swap_block_bytes(experts.w13), layout).contiguous(),

@@ -237,3 +237,28 @@ def test_prepare_rejects_unknown_layout():
     src, _ = source_in_layout("gate_up", seed=7)
     with pytest.raises(ValueError, match=r"\bw13_layout\b"):
         prepare_weights(**src, w13_layout="gate-up")
+
+
+def test_experts_of_another_layout_version_are_refused():
+    """A PreparedExperts from another byte layout (e.g. unpickled from an older mxmoe) is refused by
+    fused_moe and unprepare_weights, before any work."""
+    import dataclasses
+    import pickle
+
+    import mxmoe
+    from mxmoe.prepare import LAYOUT_VERSION
+
+    src, _ = source_in_layout("gate_up", seed=6)
+    experts = prepare_weights(**src)
+    assert experts.layout_version == LAYOUT_VERSION
+    assert pickle.loads(pickle.dumps(experts)).layout_version == LAYOUT_VERSION
+    old = dataclasses.replace(experts, layout_version=LAYOUT_VERSION - 1)
+    x = torch.randn(2, experts.hidden_size).bfloat16()
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="layout version"):
+        mxmoe.fused_moe(x, old, torch.ones(2, 1), ids)
+    with pytest.raises(ValueError, match="layout version"):
+        unprepare_weights(old)
+    del old.__dict__["layout_version"]  # as unpickled from before the field existed
+    with pytest.raises(ValueError, match="layout version 1"):
+        unprepare_weights(old)
