@@ -243,19 +243,16 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig):
     grid = (n // cfg.block_m, pack.tile_expert.numel())
-    extra = {}
-    if cfg.kernel == "gluon":
-        kernel = _gluon_kernel()
-        extra = dict(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs,
-                     OUT_I64=out.shape[0] * out.stride(0) >= 2**31)  # no interpreter form
-    elif cfg.kernel == "gluon_small":
-        kernel = _gluon_kernel("gluon_small")
-        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
-    else:
+    if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
-    if cfg.maxnreg and cfg.kernel != "triton":
-        extra["maxnreg"] = cfg.maxnreg
+    else:  # the Gluon kernels (no interpreter form)
+        kernel = _gluon_kernel(cfg.kernel)
+        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
+        if cfg.kernel == "gluon":
+            extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+        if cfg.maxnreg:
+            extra["maxnreg"] = cfg.maxnreg
     kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
         w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,

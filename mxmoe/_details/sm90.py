@@ -54,22 +54,17 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
                  BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages)
-    if cfg.kernel == "gluon":
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        from .gemm_sm90 import moe_gemm_ws_kernel
-        kernel, source = moe_gemm_ws_kernel, GluonASTSource
-        const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs,
-                     OUT_I64=False)
-    elif cfg.kernel == "gluon_small":
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        from .gemm_sm90 import moe_gemm_small_kernel
-        kernel, source = moe_gemm_small_kernel, GluonASTSource
-        const.update(OUT_I64=False)
-    else:
+    if cfg.kernel == "triton":
         kernel, source = moe_gemm_kernel, ASTSource
         const.update(PURE=False)
+    else:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from .launch import _gluon_kernel
+        kernel, source = _gluon_kernel(cfg.kernel), GluonASTSource
+        const.update(OUT_I64=False)
+        if cfg.kernel == "gluon":
+            const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
