@@ -112,11 +112,11 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
     ("auto", "3.6.0", False, 8, "gluon_small"),         # W4A16 decode: the small-tile kernel
     ("auto", "3.6.0", False, 288 * 64, "gluon_small"),  # 64 rows per expert: still small tiles
     ("auto", "3.6.0", False, 288 * 200, "gluon"),       # prefill tiles: warp-specialized
-    ("auto", "3.6.0", True, 8, "triton"),               # W4A8 small tiles: the plain template
+    ("auto", "3.6.0", True, 8, "gluon_small"),          # W4A8 small tiles too
     ("auto", "3.6.0", True, 288 * 200, "gluon"),
     ("auto", "3.7.0", False, 8, "triton"),              # not validated on this Triton
     ("gluon", "3.7.0", False, 8, "gluon_small"),        # forced
-    ("gluon", "3.6.0", True, 8, "gluon"),               # forced: W4A8 small tiles on the warp-specialized one
+    ("gluon", "3.6.0", True, 8, "gluon_small"),
     ("triton", "3.6.0", False, 288 * 200, "triton"),
 ])
 def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, expected):

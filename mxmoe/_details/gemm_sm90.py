@@ -407,6 +407,33 @@ def _fragment_words_layout(BM, BK):
     return gl.DistributedLinearLayout(regs, lanes, [[16, 0, 0], [32, 0, 0]], [], [BM, BK // 32, 4])
 
 
+@gluon.constexpr_function
+def _fragment_bytes_layout(BM, BK):
+    """The layout of ``_fragment_words_layout`` with each word as its 4 bytes: [BM, BK/32, 4 (q), 4 (i)],
+    bytes i = 0..3 of stored word q in consecutive registers of lane q (one 32-bit shared load)."""
+    regs = [[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0]] + [[0, 1 << j, 0, 0] for j in range((BK // 32).bit_length() - 1)]
+    lanes = [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [[16, 0, 0, 0], [32, 0, 0, 0]], [], [BM, BK // 32, 4, 4])
+
+
+@gluon.jit
+def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constexpr):
+    """A stage's packed [BM, BK/2] E2M1 (shared) -> one FP8 register operand [BM, 32] of wgmma per K32 block
+    (a tuple for BK = 64), E2M1 * 2**-6 in the activations' slot order (``prepare.e4m3_slot_order``):
+    stored word q gives lane q's slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3."""
+    NB: gl.constexpr = BK // 32
+    codes = packed_s.reshape([BM, NB, 4, 4]).load(_fragment_bytes_layout(BM, BK))
+    x, y = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_KORDER_ASM, "=r,=r,r", [codes], dtype=(gl.uint8, gl.uint8),
+                                     is_pure=True, pack=4)
+    # [BM, NB, q, i, c] -> [BM, NB, c, q, i]: slot 16 c + 4 q + i of block b
+    w = gl.join(x, y).permute((0, 1, 4, 2, 3)).reshape([BM, NB, 32]).to(gl.float8e4nv, bitcast=True)
+    if NB == 1:
+        return (gl.convert_layout(w.reshape([BM, 32]), DOT, assert_trivial=True), )
+    else:
+        w0, w1 = w.permute((0, 2, 1)).split()
+        return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True))
+
+
 @gluon.jit
 def _fragment_words(packed_s, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr):
     """A stage's packed [BM, BK/2] E2M1 (shared) as int32 words [BM, BK/32, 4] in ``WL``."""
@@ -441,11 +468,15 @@ def moe_gemm_small_kernel(
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     OUT_I64: gl.constexpr = True,
 ):
-    """The ``moe_gemm_kernel`` contract for small route tiles, W4A16, one warpgroup (``num_warps=4``,
-    ``BM = 64``): a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the
-    gathered activation rows); each thread reads the packed bytes of exactly its wgmma operand pairs and
-    converts them in registers (K-ordered asm, block scale folded), then one wgmma per half."""
-    gl.static_assert(BM == 64 and gl.num_warps() == 4 and not FP8)
+    """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
+    a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
+    activation rows); each thread reads the packed bytes of exactly its wgmma register-operand words
+    (``prepare``'s block-transposed layout) and converts them in registers. W4A16: BF16 with the block
+    scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32 or 64): E2M1 * 2**-6 in
+    E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 121)
+    into the FP32 accumulators (exact for any span of scales)."""
+    gl.static_assert(BM == 64 and gl.num_warps() == 4)
+    gl.static_assert(not FP8 or BK <= 64)
     pid_n = gl.program_id(0)
     pid_t = gl.program_id(1)
     if pid_t < gl.load(num_tiles_ptr):
@@ -453,15 +484,18 @@ def moe_gemm_small_kernel(
         NH: gl.constexpr = 2 if GEMM1 else 1
         expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH, BM, BT)
         num_k = K // BK
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BT, 32 if FP8 else 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
         WL: gl.constexpr = _fragment_words_layout(BM, BK)
         SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
+        ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+        a_dtype: gl.constexpr = a_ptr.dtype.element_ty
 
         packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2],
                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        act = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BT, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BT, BK], gl.bfloat16))
+        act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
         loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(NUM_STAGES):
             mbarrier.init(loaded.index(j), count=32 * gl.num_warps())
@@ -486,19 +520,22 @@ def moe_gemm_small_kernel(
                 async_copy.async_copy_global_to_shared(act.index(j), a_ptrs + j * BK, mask=ok[:, None])
                 async_copy.mbarrier_arrive(loaded.index(j), increment_count=False)
 
-        acc_g = gl.zeros((BM, BT), gl.float32, MMA)
-        acc_u = acc_g
+        zero = gl.zeros((BM, BT), gl.float32, MMA)
+        acc_g = zero
+        acc_u = zero
         sc_g = gl.load(s_ptrs).to(gl.int32)
         sc_u = sc_g
         if NH == 2:
             sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
-        # software pipeline in registers: a step's codes are loaded (shared) during the step before, its
-        # scale bytes (global) one step before that is consumed
-        mbarrier.wait(loaded.index(0), 0)
-        codes_g = _fragment_words(packed.index(0), BM, BK, WL)
+        # software pipeline in registers (W4A16): a step's codes are loaded (shared) during the step before,
+        # its scale bytes (global) one step before that is consumed
+        codes_g = gl.zeros([BM, NB, 4], gl.int32, WL)
         codes_u = codes_g
-        if NH == 2:
-            codes_u = _fragment_words(packed.index(1), BM, BK, WL)
+        if not FP8:
+            mbarrier.wait(loaded.index(0), 0)
+            codes_g = _fragment_words(packed.index(0), BM, BK, WL)
+            if NH == 2:
+                codes_u = _fragment_words(packed.index(1), BM, BK, WL)
         for i in range(num_k):
             s = i % NUM_STAGES
             # refill the slot the previous step read (its MMA has completed: each step waits for its MMA)
@@ -509,35 +546,61 @@ def moe_gemm_small_kernel(
                     async_copy.async_copy_global_to_shared(packed.index(t * NH + h), w_ptrs + h * N * row_bytes + nxt * (BK // 2))
                 async_copy.async_copy_global_to_shared(act.index(t), a_ptrs + nxt * BK, mask=ok[:, None])
                 async_copy.mbarrier_arrive(loaded.index(t), increment_count=False)
-            # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080; the
-            # scale registers are free once read, so the next step's load lands in them (no register move
-            # waiting for it at the loop's end)
-            f_g = gl.maximum(253 + sc_g - ref_g, 0) * 0x00800080
-            f_u = gl.maximum(253 + sc_u - ref_u, 0) * 0x00800080
-            if i + 1 < num_k:
-                sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+            cur_sg = sc_g
+            cur_su = sc_u
+            if FP8:
+                if i + 1 < num_k:  # the scale registers are read below: the next step's bytes land in others
+                    sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+                    if NH == 2:
+                        sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
+                mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
+                ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
+                ops_u = ops_g
                 if NH == 2:
-                    sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
-            cur_g = codes_g
-            cur_u = codes_u
-            if i + 1 < num_k:
-                t = (i + 1) % NUM_STAGES
-                mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
-                codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
-                if NH == 2:
-                    codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
-            xb = act.index(s).permute((1, 0))
-            acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
-            if NH == 2:
-                acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+                    ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
+                for b in gl.static_range(NB):
+                    xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
+                    fac_g = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1) - 121), ROWS)
+                    pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
+                    if NH == 2:
+                        fac_u = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1) - 121),
+                                                  ROWS)
+                        pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
+                        pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
+                        acc_u += pu * fac_u[:, None]
+                    else:
+                        pg = warpgroup_mma_wait(0, deps=(pg, ))
+                    acc_g += pg * fac_g[:, None]
             else:
-                acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
-        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
-        acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
-        if NH == 2:
-            acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
+                # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080;
+                # the scale registers are free once read, so the next step's load lands in them (no
+                # register move waiting for it at the loop's end)
+                f_g = gl.maximum(253 + sc_g - ref_g, 0) * 0x00800080
+                f_u = gl.maximum(253 + sc_u - ref_u, 0) * 0x00800080
+                if i + 1 < num_k:
+                    sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+                    if NH == 2:
+                        sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
+                cur_g = codes_g
+                cur_u = codes_u
+                if i + 1 < num_k:
+                    t = (i + 1) % NUM_STAGES
+                    mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
+                    codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
+                    if NH == 2:
+                        codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
+                xb = act.index(s).permute((1, 0))
+                acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
+                if NH == 2:
+                    acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
+                    acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+                else:
+                    acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+        if not FP8:
+            offs_r = gl.arange(0, BM, layout=ROWS)
+            acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
+            if NH == 2:
+                acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
         _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                   topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
                   HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)
-

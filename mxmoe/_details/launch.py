@@ -60,13 +60,13 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
     cap = gluon_tile_cap(fp8)
     big_tiles = tile_rows_for(rows, num_experts, cap=cap) >= cap
-    gluon = "gluon" if big_tiles or fp8 else "gluon_small"
+    gluon = "gluon" if big_tiles else "gluon_small"
     if choice == "gluon":
         if not hopper:
             raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
         return gluon if shapes_ok else "triton"
     validated = gluon_validated(triton.__version__)
-    return gluon if hopper and validated and shapes_ok and (big_tiles or not fp8) else "triton"
+    return gluon if hopper and validated and shapes_ok else "triton"
 
 
 def gluon_tile_cap(fp8: bool) -> int:
@@ -106,9 +106,10 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
     override = dict(override or {})
     kernel = override.pop("kernel", kernel)
     if kernel == "gluon_small":
-        if k % 64 or n % 64 or fp8:
-            raise ValueError("the small-tile Gluon kernel is W4A16 and needs N and K multiples of 64")
-        bt = tile_rows_for(rows, num_experts, cap=64)
+        if k % 64 or n % 64:
+            raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
+        # W4A8 holds each K32 block's partial sums beside the accumulators: at most 32 routed rows per tile
+        bt = tile_rows_for(rows, num_experts, cap=32 if fp8 else 64)
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4)
         cfg.update(override)
         if k % cfg["block_k"]:

@@ -101,7 +101,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
 
     out = []
     cases = [(kernel, r, fp8) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False, True)),
-                                                      ("gluon_small", small_rows, (False,)))
+                                                      ("gluon_small", small_rows, (False, True)))
              for r in rs for fp8 in fp8s]
     for kernel, r, fp8 in cases:
         for gemm1 in (True, False):
