@@ -466,7 +466,7 @@ def moe_gemm_small_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-    OUT_I64: gl.constexpr = True,
+    OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -523,12 +523,26 @@ def moe_gemm_small_kernel(
         zero = gl.zeros((BM, BT), gl.float32, MMA)
         acc_g = zero
         acc_u = zero
-        sc_g = gl.load(s_ptrs).to(gl.int32)
+        # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
+        # row and G = 4/NB steps, its bytes taken out by shifts (one-byte loads per step crowd the
+        # memory-instruction queue, docs/perf-notes.md step 10); else NB bytes per row and step. Either is
+        # loaded one step (group of steps) before it is used.
+        G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
+        w_rows = (s_ptr + (w_row0 + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+        up_words = N * (K // 128)
+        sc_g = gl.zeros([BM, NB], gl.int32, SC)
         sc_u = sc_g
-        if NH == 2:
-            sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
-        # software pipeline in registers (W4A16): a step's codes are loaded (shared) during the step before,
-        # its scale bytes (global) one step before that is consumed
+        nxt_wg = gl.zeros([BM], gl.int32, gl.SliceLayout(1, SC))
+        nxt_wu = nxt_wg
+        if SCALE_WORDS:
+            nxt_wg = gl.load(w_rows)
+            if NH == 2:
+                nxt_wu = gl.load(w_rows + up_words)
+        else:
+            sc_g = gl.load(s_ptrs).to(gl.int32)
+            if NH == 2:
+                sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
+        # W4A16: a step's codes are loaded (shared) during the step before
         codes_g = gl.zeros([BM, NB, 4], gl.int32, WL)
         codes_u = codes_g
         if not FP8:
@@ -536,66 +550,76 @@ def moe_gemm_small_kernel(
             codes_g = _fragment_words(packed.index(0), BM, BK, WL)
             if NH == 2:
                 codes_u = _fragment_words(packed.index(1), BM, BK, WL)
-        for i in range(num_k):
-            s = i % NUM_STAGES
-            # refill the slot the previous step read (its MMA has completed: each step waits for its MMA)
-            nxt = i + NUM_STAGES - 1
-            if nxt < num_k:
-                t = nxt % NUM_STAGES
-                for h in gl.static_range(NH):
-                    async_copy.async_copy_global_to_shared(packed.index(t * NH + h), w_ptrs + h * N * row_bytes + nxt * (BK // 2))
-                async_copy.async_copy_global_to_shared(act.index(t), a_ptrs + nxt * BK, mask=ok[:, None])
-                async_copy.mbarrier_arrive(loaded.index(t), increment_count=False)
-            cur_sg = sc_g
-            cur_su = sc_u
-            if FP8:
-                if i + 1 < num_k:  # the scale registers are read below: the next step's bytes land in others
-                    sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+        for jg in range(gl.cdiv(num_k, G)):
+            cur_wg = nxt_wg
+            cur_wu = nxt_wu
+            if SCALE_WORDS:
+                if (jg + 1) * G < num_k:
+                    nxt_wg = gl.load(w_rows + jg + 1)
                     if NH == 2:
-                        sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
-                mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-                ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
-                ops_u = ops_g
-                if NH == 2:
-                    ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
-                for b in gl.static_range(NB):
-                    xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
-                    fac_g = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1) - 121), ROWS)
-                    pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
-                    if NH == 2:
-                        fac_u = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1) - 121),
-                                                  ROWS)
-                        pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
-                        pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
-                        acc_u += pu * fac_u[:, None]
+                        nxt_wu = gl.load(w_rows + up_words + jg + 1)
+            for g in gl.static_range(G):
+                i = jg * G + g
+                if i < num_k:
+                    s = i % NUM_STAGES
+                    # refill the slot the previous step read (its MMA has completed: each step waits for it)
+                    nxt = i + NUM_STAGES - 1
+                    if nxt < num_k:
+                        t = nxt % NUM_STAGES
+                        for h in gl.static_range(NH):
+                            async_copy.async_copy_global_to_shared(packed.index(t * NH + h),
+                                                                   w_ptrs + h * N * row_bytes + nxt * (BK // 2))
+                        async_copy.async_copy_global_to_shared(act.index(t), a_ptrs + nxt * BK, mask=ok[:, None])
+                        async_copy.mbarrier_arrive(loaded.index(t), increment_count=False)
+                    if SCALE_WORDS:
+                        shift = (8 * (g * NB + sb))[None, :]
+                        sc_g = (cur_wg[:, None] >> shift) & 0xFF
+                        sc_u = (cur_wu[:, None] >> shift) & 0xFF
+                    cur_sg = sc_g
+                    cur_su = sc_u
+                    if not SCALE_WORDS and i + 1 < num_k:
+                        sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+                        if NH == 2:
+                            sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
+                    if FP8:
+                        mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
+                        ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
+                        ops_u = ops_g
+                        if NH == 2:
+                            ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
+                        for b in gl.static_range(NB):
+                            xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
+                            fac_g = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1) - 121),
+                                                      ROWS)
+                            pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
+                            if NH == 2:
+                                fac_u = gl.convert_layout(
+                                    _pow2(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1) - 121), ROWS)
+                                pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
+                                pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
+                                acc_u += pu * fac_u[:, None]
+                            else:
+                                pg = warpgroup_mma_wait(0, deps=(pg, ))
+                            acc_g += pg * fac_g[:, None]
                     else:
-                        pg = warpgroup_mma_wait(0, deps=(pg, ))
-                    acc_g += pg * fac_g[:, None]
-            else:
-                # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080;
-                # the scale registers are free once read, so the next step's load lands in them (no
-                # register move waiting for it at the loop's end)
-                f_g = gl.maximum(253 + sc_g - ref_g, 0) * 0x00800080
-                f_u = gl.maximum(253 + sc_u - ref_u, 0) * 0x00800080
-                if i + 1 < num_k:
-                    sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
-                    if NH == 2:
-                        sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
-                cur_g = codes_g
-                cur_u = codes_u
-                if i + 1 < num_k:
-                    t = (i + 1) % NUM_STAGES
-                    mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
-                    codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
-                    if NH == 2:
-                        codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
-                xb = act.index(s).permute((1, 0))
-                acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
-                if NH == 2:
-                    acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
-                    acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-                else:
-                    acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+                        # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080
+                        f_g = gl.maximum(253 + cur_sg - ref_g, 0) * 0x00800080
+                        f_u = gl.maximum(253 + cur_su - ref_u, 0) * 0x00800080
+                        cur_g = codes_g
+                        cur_u = codes_u
+                        if i + 1 < num_k:
+                            t = (i + 1) % NUM_STAGES
+                            mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
+                            codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
+                            if NH == 2:
+                                codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
+                        xb = act.index(s).permute((1, 0))
+                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
+                        if NH == 2:
+                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
+                            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+                        else:
+                            acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
         if not FP8:
             offs_r = gl.arange(0, BM, layout=ROWS)
             acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]

@@ -36,6 +36,7 @@ class GemmConfig:
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
     loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
     converter_regs: int = 112
+    scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
@@ -110,10 +111,12 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
         # W4A8 holds each K32 block's partial sums beside the accumulators: at most 32 routed rows per tile
         bt = tile_rows_for(rows, num_experts, cap=32 if fp8 else 64)
-        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4)
+        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0)
         cfg.update(override)
         if k % cfg["block_k"]:
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
+        if cfg["scale_words"] and (k % 128 or 128 % cfg["block_k"]):
+            raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
         return GemmConfig(kernel="gluon_small", **cfg)
     if kernel == "gluon":
         if k % 64 or n % 64:
@@ -252,6 +255,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.kernel == "gluon":
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+        if cfg.kernel == "gluon_small":
+            extra["SCALE_WORDS"] = cfg.scale_words
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     kernel[grid](

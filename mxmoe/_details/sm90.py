@@ -65,6 +65,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         const.update(OUT_I64=False)
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+        if cfg.kernel == "gluon_small":
+            const.update(SCALE_WORDS=cfg.scale_words)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
@@ -95,18 +97,19 @@ def report(kernel) -> KernelReport:
 def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
                     small_rows=(8, 16384)) -> list:
     """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
-    ``rows`` and the warp-specialized Gluon kernel at ``gluon_rows`` (both precisions), the small-tile
-    Gluon kernel at ``small_rows`` (W4A16)."""
+    ``rows`` and the warp-specialized Gluon kernel at ``gluon_rows``, the small-tile Gluon kernel at
+    ``small_rows`` (both precisions), and at its first rows also with per-step scale-byte loads (the form
+    for K % 128 != 0)."""
     from .launch import gemm_config
 
     out = []
-    cases = [(kernel, r, fp8) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False, True)),
-                                                      ("gluon_small", small_rows, (False, True)))
-             for r in rs for fp8 in fp8s]
-    for kernel, r, fp8 in cases:
+    cases = [(kernel, r, fp8, {}) for kernel, rs in (("triton", rows), ("gluon", gluon_rows), ("gluon_small", small_rows))
+             for r in rs for fp8 in (False, True)]
+    cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False)) for fp8 in (False, True)]
+    for kernel, r, fp8, override in cases:
         for gemm1 in (True, False):
             n, k = (I, H) if gemm1 else (H, I)
-            cfg = gemm_config(r, E, n, k, fp8, kernel=kernel, gemm1=gemm1)
+            cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1)
             rep = report(compile_gemm(gemm1, fp8, cfg))
             out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
                             spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
