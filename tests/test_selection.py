@@ -109,15 +109,15 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
 
 
 @pytest.mark.parametrize("env,version,fp8,rows,expected", [
-    ("auto", "3.6.0", False, 8, "gluon_small"),         # W4A16 decode: the small-tile kernel
-    ("auto", "3.6.0", False, 288 * 64, "gluon_small"),  # 64 rows per expert: still small tiles
-    ("auto", "3.6.0", False, 288 * 200, "gluon"),       # prefill tiles: warp-specialized
-    ("auto", "3.6.0", True, 8, "gluon_small"),          # W4A8 small tiles too
-    ("auto", "3.6.0", True, 288 * 200, "gluon"),
-    ("auto", "3.7.0", False, 8, "triton"),              # not validated on this Triton
-    ("gluon", "3.7.0", False, 8, "gluon_small"),        # forced
-    ("gluon", "3.6.0", True, 8, "gluon_small"),
-    ("triton", "3.6.0", False, 288 * 200, "triton"),
+    ("auto", "3.6.0", False, 8, ("gluon_small", "gluon_small")),          # W4A16 decode: the small-tile kernel
+    ("auto", "3.6.0", False, 288 * 64, ("gluon_small", "gluon_small")),   # 64 rows per expert: small tiles
+    ("auto", "3.6.0", False, 288 * 200, ("gluon_small", "gluon")),        # prefill: GEMM2 warp-specialized
+    ("auto", "3.6.0", True, 8, ("gluon_small", "gluon_small")),           # W4A8: the small-tile kernel always
+    ("auto", "3.6.0", True, 288 * 200, ("gluon_small", "gluon_small")),
+    ("auto", "3.7.0", False, 8, ("triton", "triton")),                    # not validated on this Triton
+    ("gluon", "3.7.0", False, 288 * 200, ("gluon_small", "gluon")),       # forced
+    ("gluon", "3.6.0", True, 8, ("gluon_small", "gluon_small")),
+    ("triton", "3.6.0", False, 288 * 200, ("triton", "triton")),
 ])
 def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, expected):
     """The choice on an sm90 device (capability, Gluon availability and Triton version stubbed: no GPU needed)."""
@@ -130,5 +130,11 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, expected)
     monkeypatch.setattr(launch, "_gluon_kernel", lambda name="gluon": object())
     monkeypatch.setattr(launch.triton, "__version__", version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8) == expected
-    assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False) == "triton"
+    for gemm1, kernel in zip((True, False), expected):
+        assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, gemm1=gemm1) == kernel
+        assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False,
+                                    gemm1=gemm1) == "triton"
+    # both GEMMs read one route pack: their configs agree on its tile height
+    cfgs = [launch.gemm_config(rows, 288, n, k, fp8, kernel=kernel, gemm1=g1)
+            for (n, k, g1), kernel in zip(((1024, 4096, True), (4096, 1024, False)), expected)]
+    assert cfgs[0].block_rows == cfgs[1].block_rows

@@ -3,26 +3,20 @@
 Same contract and arguments as :func:`gemm.moe_gemm_kernel` (``W · Aᵀ``: weight rows are the
 MMA's M, routed rows its N). Two kernels:
 
-- ``moe_gemm_small_kernel`` (W4A16, small route tiles: decode, small batches): one warpgroup reads
+- ``moe_gemm_small_kernel`` (both precisions; every W4A8 GEMM and W4A16 GEMM1): one warpgroup reads
   exactly its wgmma register-operand words of the prepared (block-transposed) weights and converts
   them in registers; no shared-memory round trip for the converted weights (see below).
-- ``moe_gemm_ws_kernel`` (prefill tiles, both precisions): warp-specialized, async wgmma. Plain
-  Triton 3.6 waits on every wgmma, so conversion and MMA never overlap there; here the partitions
-  run concurrently per program:
+- ``moe_gemm_ws_kernel`` (W4A16 prefill tiles; GEMM2 in the default selection): persistent,
+  warp-specialized, async wgmma. Plain Triton 3.6 waits on every wgmma, so conversion and MMA never
+  overlap there; here the partitions run concurrently, each walking the program's tiles:
 
   - loader (4 warps): 16-B ``cp.async`` of the packed E2M1 tiles (gate and up rows) and of the
     gathered activation rows into a ring of ``NUM_STAGES`` stages (no TMA gather on sm90);
-  - converter (4 warps): E2M1 -> BF16 with the K32 block scale folded (W4A16, as in ``gemm``; K
-    order) or -> E4M3 * 2**-6 (W4A8, exact; in the slot order the row quantizer stores activations
-    in, ``prepare.e4m3_slot_order``) by inline asm, stored as 32-bit words into the stage's
-    NVMMA-swizzled tile; for W4A8 also each block's FP32 factor 2**(b - 121);
+  - converter (4 warps): E2M1 -> BF16 with the K32 block scale folded (as in ``gemm``; K order) by
+    inline asm, stored as 32-bit words into the stage's NVMMA-swizzled tile;
   - MMA + epilogue (default partition, one or two warpgroups): async ``warpgroup_mma`` on shared
-    operands. W4A16 chains the stages into the FP32 accumulators with one stage in flight. W4A8
-    runs each K32 block from zero and multiplies its partial sum by the block factor into the FP32
-    accumulators: exact scales, and Hopper's reduced-precision FP8 accumulation never spans more
-    than 32 products. ptxas serializes a warpgroup's wgmma once other instructions read an
-    accumulator inside its pipeline, so each block waits for its MMA; with two warpgroups one
-    group's MMA runs while the other rescales.
+    operands chaining the stages into the FP32 accumulators with one stage in flight; a tile's
+    epilogue runs while the other partitions fill the ring with the next tile's stages.
 
   Barriers per stage: ``loaded`` (every loader thread's cp.async landed), ``converted``
   (weights converted), ``consumed`` (the stage's MMAs finished: activation, converted and
@@ -83,20 +77,26 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
 
 
 @gluon.jit
-def _loader(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, N, K, num_k,
+def _loader(w_ptr, a_ptr, stride_a, routes_ptr, tile_expert_ptr, first, end, stride, top_k, N, K, num_k,
             packed, act, loaded, consumed,
             GEMM1: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
             NUM_STAGES: gl.constexpr):
-    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
-                                                   GEMM1, BM, BT, BK)
-    for i in range(num_k):
-        s = i % NUM_STAGES
-        mbarrier.wait(consumed.index(s), ((i // NUM_STAGES) & 1) ^ 1)
-        for h in gl.static_range(NH):
-            async_copy.async_copy_global_to_shared(packed.index(s * NH + h), w_ptrs + h * N * row_bytes + i * (BK // 2))
-        async_copy.async_copy_global_to_shared(act.index(s), a_ptrs + i * BK, mask=ok[:, None])
-        # every loader thread arrives once its own copies have landed (count = loader threads)
-        async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
+    n_blocks = N // BM
+    c0 = 0  # ring steps of the program's earlier tiles
+    for tile in range(first, end, stride):
+        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, NH, BM, BT)
+        w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
+                                                       GEMM1, BM, BT, BK)
+        for i in range(num_k):
+            c = c0 + i
+            s = c % NUM_STAGES
+            mbarrier.wait(consumed.index(s), ((c // NUM_STAGES) & 1) ^ 1)
+            for h in gl.static_range(NH):
+                async_copy.async_copy_global_to_shared(packed.index(s * NH + h), w_ptrs + h * N * row_bytes + i * (BK // 2))
+            async_copy.async_copy_global_to_shared(act.index(s), a_ptrs + i * BK, mask=ok[:, None])
+            # every loader thread arrives once its own copies have landed (count = loader threads)
+            async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
+        c0 += num_k
 
 
 @gluon.jit
@@ -119,23 +119,22 @@ def _scale_group(s_ptrs, gg, j, num_k, G: gl.constexpr, NC: gl.constexpr):
 
 
 @gluon.jit
-def _converter(s_ptr, ref_ptr, w_row0, N, K, num_k,
-               packed, wconv, factors, loaded, converted, consumed,
-               NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-               NUM_STAGES: gl.constexpr, GROUP: gl.constexpr = 2):
+def _converter(s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k,
+               packed, wconv, loaded, converted, consumed,
+               NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+               GROUP: gl.constexpr = 2):
     """Converts every stage's weights.
 
-    Each thread converts whole K32 blocks: 4 words of packed codes (one 16-B shared load) -> 32 values in
-    K order (64 or 32 contiguous bytes of a row of the NVMMA-swizzled stage tile, stored as 32-bit words),
+    Each thread converts whole K32 blocks: 4 words of packed codes (one 16-B shared load) -> 32 BF16 values
+    in K order (64 contiguous bytes of a row of the NVMMA-swizzled stage tile, stored as 32-bit words),
     with one block scale. The next stage's packed words are loaded before this stage is converted, and
     the scale bytes come in groups of G stages: the proxy fence before each ``converted`` arrive waits
     for every outstanding global load, so a per-stage scale load would expose its latency every stage."""
     NC: gl.constexpr = BK // 32
     CW: gl.constexpr = gl.num_warps()
     G: gl.constexpr = GROUP  # stages per scale group
-    WPB: gl.constexpr = 4 if FP8 else 8  # output words per 8 codes
     PL: gl.constexpr = gl.BlockedLayout([1, 4], [32 // NC, NC], [CW, 1], [1, 0])  # packed words [BM, BK/8]
-    WL: gl.constexpr = gl.BlockedLayout([1, 2 * WPB], [32 // NC, NC], [CW, 1], [1, 0])  # converted words
+    WL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [CW, 1], [1, 0])  # converted words
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NC, NC, 1], [CW, 1, 1], [2, 1, 0])  # [BM, NC, 4]
     SL: gl.constexpr = gl.SliceLayout(2, L3)  # one value per (row, K32 block): [BM, NC]
     GL: gl.constexpr = gl.BlockedLayout([1, G, 1], [32 // NC, 1, NC], [CW, 1, 1], [2, 1, 0])  # [BM, G, NC]
@@ -143,64 +142,52 @@ def _converter(s_ptr, ref_ptr, w_row0, N, K, num_k,
     gm = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, GL)))
     gg = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, GL)))
     gc = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, GL)))
-    s_ptrs = (s_ptr + (w_row0 + gm.to(gl.int64))[:, None, None] * (K // 32) + (gg * NC)[None, :, None]
-              + gc[None, None, :])
-    up_off = N * (K // 32)
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
-    ref_g = gl.load(ref_ptr + w_row0 + rows)[:, None]
-    ref_u = ref_g
-    if NH == 2:
-        ref_u = gl.load(ref_ptr + w_row0 + N + rows)[:, None]
-    nxt_g = _scale_group(s_ptrs, gg, 0, num_k, G, NC)
-    nxt_u = nxt_g
-    if NH == 2:
-        nxt_u = _scale_group(s_ptrs + up_off, gg, 0, num_k, G, NC)
-    # W4A16 loads the next stage's packed words while it converts this one (W4A8's stages are twice as
-    # deep: the second set of words would not fit in the converter's registers)
-    PREFETCH: gl.constexpr = not FP8
-    p_g = gl.zeros([BM, BK // 8], gl.int32, PL)
-    p_u = p_g
-    if PREFETCH:
-        mbarrier.wait(loaded.index(0), 0)
-        p_g, p_u = _load_packed(packed, 0, NH, BM, BK, NUM_STAGES, PL)
-    for j in range(gl.cdiv(num_k, G)):
-        cur_g = nxt_g
-        cur_u = nxt_u
-        for g in gl.static_range(G):
-            i = j * G + g
-            if i < num_k:
-                if g == 0:  # the next group, in flight behind this stage's fence
-                    nxt_g = _scale_group(s_ptrs, gg, j + 1, num_k, G, NC)
-                    if NH == 2:
-                        nxt_u = _scale_group(s_ptrs + up_off, gg, j + 1, num_k, G, NC)
-                s = i % NUM_STAGES
-                mbarrier.wait(consumed.index(s), ((i // NUM_STAGES) & 1) ^ 1)
-                q_g = p_g
-                q_u = p_u
-                if PREFETCH and i + 1 < num_k:  # the next stage's packed words, loaded while this one converts
-                    mbarrier.wait(loaded.index((i + 1) % NUM_STAGES), ((i + 1) // NUM_STAGES) & 1)
-                    q_g, q_u = _load_packed(packed, i + 1, NH, BM, BK, NUM_STAGES, PL)
-                if not PREFETCH:
-                    mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-                    p_g, p_u = _load_packed(packed, i, NH, BM, BK, NUM_STAGES, PL)
-                for h in gl.static_range(NH):
-                    p = p_g
-                    sc = cur_g
-                    ref = ref_g
-                    if h == 1:
-                        p = p_u
-                        sc = cur_u
-                        ref = ref_u
-                    # this stage's scale bytes: a compile-time column of the in-thread group tile
-                    b = gl.convert_layout(gl.sum(gl.where((gg == g)[None, :, None], sc, 0), axis=1), SL)
-                    if FP8:
-                        # stored word q -> E4M3 of activation slots 4q .. 4q+3 (o0) and 16 + 4q .. (o1): the
-                        # row quantizer stores activations in that slot order (prepare.e4m3_slot_order)
-                        o0, o1 = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_KORDER_ASM, "=r,=r,r", [p],
-                                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-                        w = gl.join(o0, o1).reshape(BM, NC, 4, 2).permute((0, 1, 3, 2)).reshape(BM, BK // 4)
-                        factors.index(s * NH + h).store(gl.permute(_pow2(b - 121), (1, 0)))
-                    else:
+    n_blocks = N // BM
+    c0 = 0  # ring steps of the program's earlier tiles
+    for tile in range(first, end, stride):
+        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, NH, BM, 1)
+        s_ptrs = (s_ptr + (w_row0 + gm.to(gl.int64))[:, None, None] * (K // 32) + (gg * NC)[None, :, None]
+                  + gc[None, None, :])
+        up_off = N * (K // 32)
+        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
+        ref_g = gl.load(ref_ptr + w_row0 + rows)[:, None]
+        ref_u = ref_g
+        if NH == 2:
+            ref_u = gl.load(ref_ptr + w_row0 + N + rows)[:, None]
+        nxt_g = _scale_group(s_ptrs, gg, 0, num_k, G, NC)
+        nxt_u = nxt_g
+        if NH == 2:
+            nxt_u = _scale_group(s_ptrs + up_off, gg, 0, num_k, G, NC)
+        # the next stage's packed words are loaded while this one converts
+        mbarrier.wait(loaded.index(c0 % NUM_STAGES), (c0 // NUM_STAGES) & 1)
+        p_g, p_u = _load_packed(packed, c0, NH, BM, BK, NUM_STAGES, PL)
+        for j in range(gl.cdiv(num_k, G)):
+            cur_g = nxt_g
+            cur_u = nxt_u
+            for g in gl.static_range(G):
+                i = j * G + g
+                if i < num_k:
+                    if g == 0:  # the next group, in flight behind this stage's fence
+                        nxt_g = _scale_group(s_ptrs, gg, j + 1, num_k, G, NC)
+                        if NH == 2:
+                            nxt_u = _scale_group(s_ptrs + up_off, gg, j + 1, num_k, G, NC)
+                    s = (c0 + i) % NUM_STAGES
+                    mbarrier.wait(consumed.index(s), (((c0 + i) // NUM_STAGES) & 1) ^ 1)
+                    q_g = p_g
+                    q_u = p_u
+                    if i + 1 < num_k:
+                        mbarrier.wait(loaded.index((c0 + i + 1) % NUM_STAGES), ((c0 + i + 1) // NUM_STAGES) & 1)
+                        q_g, q_u = _load_packed(packed, c0 + i + 1, NH, BM, BK, NUM_STAGES, PL)
+                    for h in gl.static_range(NH):
+                        p = p_g
+                        sc = cur_g
+                        ref = ref_g
+                        if h == 1:
+                            p = p_u
+                            sc = cur_u
+                            ref = ref_u
+                        # this stage's scale bytes: a compile-time column of the in-thread group tile
+                        b = gl.convert_layout(gl.sum(gl.where((gg == g)[None, :, None], sc, 0), axis=1), SL)
                         # BF16x2 2**(126 + b - ref) (0 where it underflows) per block, beside every word of it
                         f = gl.maximum(253 + b - ref, 0) << 7
                         f2 = gl.convert_layout((gl.expand_dims(f | (f << 16), 2) + gl.zeros([BM, NC, 4], gl.int32, L3))
@@ -211,61 +198,36 @@ def _converter(s_ptr, ref_ptr, w_row0, N, K, num_k,
                         # output j of stored word q is K pair 4j + q of the block
                         w = gl.join(gl.join(o0, o2), gl.join(o1, o3)).reshape(BM, NC, 4, 4).permute((0, 1, 3, 2))
                         w = w.reshape(BM, BK // 2)
-                    wconv.index(s * NH + h)._reinterpret(gl.int32, [BM, BK * WPB // 16], conv_words).store(
-                        gl.convert_layout(w, WL))
-                fence_async_shared()
-                mbarrier.arrive(converted.index(s))
-                p_g = q_g
-                p_u = q_u
+                        wconv.index(s * NH + h)._reinterpret(gl.int32, [BM, BK // 2], conv_words).store(
+                            gl.convert_layout(w, WL))
+                    fence_async_shared()
+                    mbarrier.arrive(converted.index(s))
+                    p_g = q_g
+                    p_u = q_u
+        c0 += num_k
 
 
 @gluon.jit
-def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
-                      expert, w_row0, n0, slot0, N, K, top_k, limit, alpha, num_k,
-                      wconv, act, factors, loaded, converted, consumed,
-                      GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
-                      BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      OUT_I64: gl.constexpr):
-    NC: gl.constexpr = BK // 32
+def _mma_and_epilogue(ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
+                      tile_expert_ptr, first, end, stride, N, top_k, limit, alpha, num_k,
+                      wconv, act, loaded, converted, consumed,
+                      GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
+                      BM: gl.constexpr, BT: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr):
     NH: gl.constexpr = 2 if GEMM1 else 1
     NW: gl.constexpr = gl.num_warps()
     WPM: gl.constexpr = NW if BM >= 16 * NW else BM // 16  # warps along the weight rows, the rest split the tokens
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WPM, NW // WPM],
-                                                  instr_shape=[16, BT // (NW // WPM), 32 if FP8 else 16])
+                                                  instr_shape=[16, BT // (NW // WPM), 16])
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
-    zero = gl.zeros((BM, BT), gl.float32, MMA)
-    acc_g = zero
-    acc_u = zero
-    if FP8:
-        # each K32 block's FP8 MMA starts from zero and its partial sum is multiplied by the block factor
-        # into the FP32 accumulators: exact scales, and Hopper's reduced-precision FP8 accumulation never
-        # spans more than 32 products. ptxas serializes a warpgroup's wgmma when other instructions read
-        # an accumulator inside the pipeline, so each block waits for its MMA; with two MMA warpgroups one
-        # group's MMA runs while the other scales.
+    n_blocks = N // BM
+    c0 = 0  # ring steps of the program's earlier tiles
+    for tile in range(first, end, stride):
+        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, NH, BM, BT)
+        acc_g = gl.zeros((BM, BT), gl.float32, MMA)
+        acc_u = acc_g
         for i in range(num_k):
-            s = i % NUM_STAGES
-            phase = (i // NUM_STAGES) & 1
-            mbarrier.wait(loaded.index(s), phase)
-            mbarrier.wait(converted.index(s), phase)
-            fence_async_shared()
-            for c in gl.static_range(NC):
-                xb = act.index(s).slice(32 * c, 32, dim=1).permute((1, 0))
-                pg = warpgroup_mma(wconv.index(s * NH).slice(32 * c, 32, dim=1), xb, zero, use_acc=False,
-                                   is_async=True)
-                if NH == 2:
-                    pu = warpgroup_mma(wconv.index(s * NH + 1).slice(32 * c, 32, dim=1), xb, zero, use_acc=False,
-                                       is_async=True)
-                    pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
-                    acc_u += pu * factors.index(s * NH + 1).reshape([NC * BM]).slice(c * BM, BM).load(ROWS)[:, None]
-                else:
-                    pg = warpgroup_mma_wait(0, deps=(pg, ))
-                acc_g += pg * factors.index(s * NH).reshape([NC * BM]).slice(c * BM, BM).load(ROWS)[:, None]
-            mbarrier.arrive(consumed.index(s))
-    else:
-        for i in range(num_k):
-            s = i % NUM_STAGES
-            phase = (i // NUM_STAGES) & 1
+            s = (c0 + i) % NUM_STAGES
+            phase = ((c0 + i) // NUM_STAGES) & 1
             mbarrier.wait(loaded.index(s), phase)
             mbarrier.wait(converted.index(s), phase)
             fence_async_shared()
@@ -276,19 +238,20 @@ def _mma_and_epilogue(a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
                 acc_g, acc_u = warpgroup_mma_wait(NH, deps=(acc_g, acc_u))
             else:
                 acc_g = warpgroup_mma_wait(NH, deps=(acc_g, ))
-            mbarrier.arrive(consumed.index((i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
+            mbarrier.arrive(consumed.index((c0 + i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
         if NH == 2:
             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
         else:
             acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+        mbarrier.arrive(consumed.index((c0 + num_k - 1) % NUM_STAGES))  # the tile's last stage
         offs_r = gl.arange(0, BM, layout=ROWS)
         acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
         if NH == 2:
             acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
-
-    _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
-              expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE,
-              BM, BT, OUT_I64, MMA)
+        _epilogue(acc_g, acc_u, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
+                  expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, False, HAS_BIAS, HAS_GSCALE,
+                  BM, BT, OUT_I64, MMA)
+        c0 += num_k
 
 
 @gluon.jit
@@ -347,29 +310,32 @@ def moe_gemm_ws_kernel(
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     LOADER_REGS: gl.constexpr = 48, CONVERTER_REGS: gl.constexpr = 112,
-    OUT_I64: gl.constexpr = True,
+    OUT_I64: gl.constexpr = True, PERSISTENT: gl.constexpr = True,
 ):
-    """The ``moe_gemm_kernel`` contract on sm90 (see the module docstring); requires
-    ``N % BM == 0`` and ``K % BK == 0``."""
-    pid_n = gl.program_id(0)
-    pid_t = gl.program_id(1)
-    if pid_t < gl.load(num_tiles_ptr):
-        NC: gl.constexpr = BK // 32
+    """The ``moe_gemm_kernel`` contract on sm90 for W4A16 (see the module docstring); requires
+    ``N % BM == 0`` and ``K % BK == 0``. PERSISTENT: a 1-D grid of at most one program per SM, each
+    walking the (route tile, weight-row block) tiles ``program_id, + num_programs, ...`` with one
+    stage ring across its tiles (a tile's epilogue overlaps the next tile's loads and conversion);
+    else one program per tile on the grid (N / BM, route-tile capacity)."""
+    gl.static_assert(not FP8)
+    n_blocks = N // BM
+    end = n_blocks * gl.load(num_tiles_ptr)
+    if PERSISTENT:
+        first = gl.program_id(0)
+        stride = gl.num_programs(0)
+    else:
+        first = gl.program_id(1) * n_blocks + gl.program_id(0)
+        stride = 1
+        end = gl.minimum(end, first + 1)
+    if first < end:
         NH: gl.constexpr = 2 if GEMM1 else 1
-        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH, BM, BT)
         num_k = K // BK
-
-        w_dtype: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
-        a_dtype: gl.constexpr = a_ptr.dtype.element_ty
         packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2],
                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        wconv = gl.allocate_shared_memory(w_dtype, [NUM_STAGES * NH, BM, BK],
-                                          gl.NVMMASharedLayout.get_default_for([BM, BK], w_dtype))
-        act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
-        # W4A8: each K32 block's FP32 factor per weight row
-        factors = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * NH if FP8 else 1, NC, BM],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        wconv = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES * NH, BM, BK],
+                                          gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
+        act = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BT, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BT, BK], gl.bfloat16))
         loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         converted = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -379,14 +345,14 @@ def moe_gemm_ws_kernel(
             mbarrier.init(consumed.index(s), count=1)
 
         gl.warp_specialize([
-            (_mma_and_epilogue, (a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                                 topk_weights_ptr, expert, w_row0, n0, slot0, N, K, top_k, limit, alpha, num_k,
-                                 wconv, act, factors, loaded, converted, consumed,
-                                 GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64)),
-            (_loader, (w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k, w_row0, N, K, num_k,
+            (_mma_and_epilogue, (ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                                 topk_weights_ptr, tile_expert_ptr, first, end, stride, N, top_k, limit, alpha, num_k,
+                                 wconv, act, loaded, converted, consumed,
+                                 GEMM1, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, NUM_STAGES, OUT_I64)),
+            (_loader, (w_ptr, a_ptr, stride_a, sorted_routes_ptr, tile_expert_ptr, first, end, stride, top_k, N, K, num_k,
                        packed, act, loaded, consumed, GEMM1, NH, BM, BT, BK, NUM_STAGES)),
-            (_converter, (s_ptr, ref_ptr, w_row0, N, K, num_k, packed, wconv, factors, loaded, converted, consumed,
-                          NH, FP8, BM, BK, NUM_STAGES)),
+            (_converter, (s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k, packed, wconv,
+                          loaded, converted, consumed, NH, BM, BK, NUM_STAGES)),
         ], [LOADER_WARPS, CONVERTER_WARPS], [LOADER_REGS, CONVERTER_REGS])
 
 

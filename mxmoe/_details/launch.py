@@ -36,22 +36,23 @@ class GemmConfig:
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
     loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
     converter_regs: int = 112
+    persistent: bool = True  # gluon: one program per SM walking the tiles (else one per tile)
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
-                  shapes_ok: bool = True) -> str:
-    """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the GEMM kernel on CUDA.
+                  shapes_ok: bool = True, gemm1: bool = True) -> str:
+    """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of GEMM1 (``gemm1``) or
+    GEMM2 on CUDA.
 
-    ``auto`` runs Gluon kernels on sm90 where they measured faster than the plain-Triton template on
-    the H200 (docs/perf-notes.md): the warp-specialized ``gemm_sm90.moe_gemm_ws_kernel`` for its
-    two-warpgroup tiles (route tiles of 128 rows for W4A16, 64 for W4A8: prefill), and for W4A16 on
-    smaller tiles (decode, small batches) ``gemm_sm90.moe_gemm_small_kernel``; the plain template for W4A8
-    on small tiles and for shapes the Gluon kernels do not take (``shapes_ok``). Gluon is experimental
-    and its API moves between Triton releases, so ``auto`` takes it only on the Triton it was validated
-    on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon`` forces the Gluon kernels on any (W4A8 small
-    tiles then run the warp-specialized kernel). The interpreter and CPU always run the plain template.
-    Returns ``"triton"``, ``"gluon"`` (warp-specialized) or ``"gluon_small"``.
+    ``auto`` runs Gluon kernels on sm90 where they measured fastest on the H200 (docs/perf-notes.md,
+    steps 10 and 11): the one-warpgroup register-operand ``gemm_sm90.moe_gemm_small_kernel`` for every
+    W4A8 GEMM and for W4A16 GEMM1, and for W4A16 GEMM2 on 128-row route tiles (prefill) the persistent
+    warp-specialized ``gemm_sm90.moe_gemm_ws_kernel``; the plain template for shapes the Gluon kernels do
+    not take (``shapes_ok``). Gluon is experimental and its API moves between Triton releases, so
+    ``auto`` takes it only on the Triton it was validated on (``GLUON_VALIDATED_TRITON``);
+    ``MXMOE_KERNEL=gluon`` forces the same Gluon kernels on any. The interpreter and CPU always run the
+    plain template. Returns ``"triton"``, ``"gluon"`` (warp-specialized) or ``"gluon_small"``.
     """
     choice = os.environ.get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
@@ -59,9 +60,8 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
-    cap = gluon_tile_cap(fp8)
-    big_tiles = tile_rows_for(rows, num_experts, cap=cap) >= cap
-    gluon = "gluon" if big_tiles else "gluon_small"
+    prefill = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8)) == TILE_ROWS[-1]
+    gluon = "gluon" if prefill and not fp8 and not gemm1 else "gluon_small"
     if choice == "gluon":
         if not hopper:
             raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
@@ -71,8 +71,8 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
 
 
 def gluon_tile_cap(fp8: bool) -> int:
-    """Route-tile height of the Gluon kernel's prefill tiles: W4A8 holds a K32 block's partial sums beside
-    both accumulators, so at most 64 routed rows per tile; W4A16 128."""
+    """Largest route tile of the Gluon kernels: W4A8 holds each K32 block's partial sums beside both
+    accumulators (the small-tile kernel reaches 249 registers at 64 rows), so 64 routed rows; W4A16 128."""
     return 64 if fp8 else 128
 
 
@@ -109,8 +109,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
     if kernel == "gluon_small":
         if k % 64 or n % 64:
             raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
-        # W4A8 holds each K32 block's partial sums beside the accumulators: at most 32 routed rows per tile
-        bt = tile_rows_for(rows, num_experts, cap=32 if fp8 else 64)
+        bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0)
         cfg.update(override)
         if k % cfg["block_k"]:
@@ -119,21 +118,21 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
         return GemmConfig(kernel="gluon_small", **cfg)
     if kernel == "gluon":
+        if fp8:
+            raise ValueError("the warp-specialized Gluon kernel is W4A16 (W4A8 runs the small-tile kernel)")
         if k % 64 or n % 64:
             raise ValueError("the Gluon kernel needs N and K multiples of 64")
         bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
-        bk = 128 if fp8 and k % 128 == 0 else 64
         if bt >= 64:
             # two MMA warpgroups on 128 weight rows (per half): half the activation traffic of 64-row
             # tiles (docs/perf-notes.md step 8)
-            cfg = dict(block_rows=bt, block_m=128 if n % 128 == 0 else 64, block_k=bk, num_warps=8)
-        else:  # decode: 64-row tiles keep more programs streaming weights
-            cfg = dict(block_rows=bt, block_m=64, block_k=bk, num_warps=4)
+            cfg = dict(block_rows=bt, block_m=128 if n % 128 == 0 else 64, block_k=64, num_warps=8)
+        else:
+            cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4)
         cfg.update(override)
         halves = 2 if gemm1 else 1
         bm, bk = cfg["block_m"], cfg["block_k"]
-        elem = 1 if fp8 else 2
-        stage = halves * bm * (bk * elem + bk // 2 + (bk // 32 * 4 if fp8 else 0)) + cfg["block_rows"] * bk * elem
+        stage = halves * bm * (bk * 2 + bk // 2) + cfg["block_rows"] * bk * 2
         # as many stages as fit in the 227 KiB of shared memory (less barriers), up to 6
         cfg.setdefault("num_stages", max(2, min(6, (227 * 1024 - 2048) // stage)))
         return GemmConfig(kernel="gluon", **cfg)
@@ -244,9 +243,16 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
     return ws
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig):
     grid = (n // cfg.block_m, pack.tile_expert.numel())
+    if cfg.kernel == "gluon" and cfg.persistent:
+        grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
@@ -254,7 +260,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         kernel = _gluon_kernel(cfg.kernel)
         extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.kernel == "gluon":
-            extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+            extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs, PERSISTENT=cfg.persistent)
         if cfg.kernel == "gluon_small":
             extra["SCALE_WORDS"] = cfg.scale_words
         if cfg.maxnreg:
@@ -296,9 +302,11 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     R = T * top_k
     # the Gluon kernel: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
-    kernel = kernel_choice(x.device, R, E, fp8, gluon_ok)
-    cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel, gemm1=True)
-    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel, gemm1=False)
+    cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=True),
+                       gemm1=True)
+    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False),
+                       gemm1=False)
+    assert cfg1.block_rows == cfg2.block_rows, "both GEMMs read one route pack"
     pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
     max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"

@@ -64,7 +64,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         kernel, source = _gluon_kernel(cfg.kernel), GluonASTSource
         const.update(OUT_I64=False)
         if cfg.kernel == "gluon":
-            const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+            const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs, PERSISTENT=cfg.persistent)
         if cfg.kernel == "gluon_small":
             const.update(SCALE_WORDS=cfg.scale_words)
     names = list(kernel.arg_names)
@@ -95,16 +95,17 @@ def report(kernel) -> KernelReport:
 
 
 def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
-                    small_rows=(8, 16384)) -> list:
+                    small_rows=(8, 16384, 65536)) -> list:
     """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
-    ``rows`` and the warp-specialized Gluon kernel at ``gluon_rows``, the small-tile Gluon kernel at
-    ``small_rows`` (both precisions), and at its first rows also with per-step scale-byte loads (the form
-    for K % 128 != 0)."""
+    ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
+    Gluon kernel at ``small_rows`` (both precisions), and at its first rows also with per-step scale-byte
+    loads (the form for K % 128 != 0)."""
     from .launch import gemm_config
 
     out = []
-    cases = [(kernel, r, fp8, {}) for kernel, rs in (("triton", rows), ("gluon", gluon_rows), ("gluon_small", small_rows))
-             for r in rs for fp8 in (False, True)]
+    cases = [(kernel, r, fp8, {}) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False,)),
+                                                          ("gluon_small", small_rows, (False, True)))
+             for r in rs for fp8 in fp8s]
     cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False)) for fp8 in (False, True)]
     for kernel, r, fp8, override in cases:
         for gemm1 in (True, False):
