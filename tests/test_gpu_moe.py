@@ -85,7 +85,8 @@ def check(ex, x, ids, w, precision, activation="silu", expert_map=None, **kw):
 def test_shapes_and_tokens(shape, T, precision):
     E, H, I, top_k = SHAPES[shape]
     ex = gpu_experts(E, H, I)
-    x = torch.randn(T, H, device="cuda").bfloat16()
+    # seeded activations: a failure reproduces outside the test session's order
+    x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1000 + T)).bfloat16()
     ids, w = routing(T, top_k, E, seed=T)
     check(ex, x, ids, w, precision)
 
