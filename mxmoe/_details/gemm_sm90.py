@@ -310,23 +310,16 @@ def moe_gemm_ws_kernel(
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     LOADER_REGS: gl.constexpr = 48, CONVERTER_REGS: gl.constexpr = 112,
-    OUT_I64: gl.constexpr = True, PERSISTENT: gl.constexpr = True,
+    OUT_I64: gl.constexpr = True,
 ):
     """The ``moe_gemm_kernel`` contract on sm90 for W4A16 (see the module docstring); requires
-    ``N % BM == 0`` and ``K % BK == 0``. PERSISTENT: a 1-D grid of at most one program per SM, each
+    ``N % BM == 0`` and ``K % BK == 0``. Persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, weight-row block) tiles ``program_id, + num_programs, ...`` with one
-    stage ring across its tiles (a tile's epilogue overlaps the next tile's loads and conversion);
-    else one program per tile on the grid (N / BM, route-tile capacity)."""
+    stage ring across its tiles (a tile's epilogue overlaps the next tile's loads and conversion)."""
     gl.static_assert(not FP8)
-    n_blocks = N // BM
-    end = n_blocks * gl.load(num_tiles_ptr)
-    if PERSISTENT:
-        first = gl.program_id(0)
-        stride = gl.num_programs(0)
-    else:
-        first = gl.program_id(1) * n_blocks + gl.program_id(0)
-        stride = 1
-        end = gl.minimum(end, first + 1)
+    first = gl.program_id(0)
+    stride = gl.num_programs(0)
+    end = (N // BM) * gl.load(num_tiles_ptr)
     if first < end:
         NH: gl.constexpr = 2 if GEMM1 else 1
         num_k = K // BK

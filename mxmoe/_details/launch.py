@@ -36,7 +36,6 @@ class GemmConfig:
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
     loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
     converter_regs: int = 112
-    persistent: bool = True  # gluon: one program per SM walking the tiles (else one per tile)
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
 
 
@@ -251,7 +250,7 @@ def _sm_count(device: torch.device) -> int:
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig):
     grid = (n // cfg.block_m, pack.tile_expert.numel())
-    if cfg.kernel == "gluon" and cfg.persistent:
+    if cfg.kernel == "gluon":  # persistent: at most one program per SM
         grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
@@ -260,7 +259,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         kernel = _gluon_kernel(cfg.kernel)
         extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.kernel == "gluon":
-            extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs, PERSISTENT=cfg.persistent)
+            extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
             extra["SCALE_WORDS"] = cfg.scale_words
         if cfg.maxnreg:

@@ -64,7 +64,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         kernel, source = _gluon_kernel(cfg.kernel), GluonASTSource
         const.update(OUT_I64=False)
         if cfg.kernel == "gluon":
-            const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs, PERSISTENT=cfg.persistent)
+            const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
             const.update(SCALE_WORDS=cfg.scale_words)
     names = list(kernel.arg_names)
