@@ -11,22 +11,13 @@ Writes $OUT/small_<stage>.json; prints a summary last.
 import os, sys, json
 import torch
 import mxmoe
+from _experts import random_experts
 from mxmoe._details import launch
 from mxmoe.bench import cuda_event_sampler, median, capture_graph
 
 OUT = os.environ.get("OUT", "/tmp")
-def experts(E, H, I, lo=118, hi=122, wide=False):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(lo, hi + 1, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s2 = torch.randint(lo, hi + 1, (E, H, I // 32), generator=g, dtype=torch.uint8, device="cuda")
-    if wide:
-        offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device="cuda")
-        s13 = (126 + offs[torch.arange(H // 32, device="cuda") % 4]).to(torch.uint8).expand(E, 2 * I, H // 32).contiguous()
-        s2 = (126 + offs[torch.arange(I // 32, device="cuda") % 4]).to(torch.uint8).expand(E, H, I // 32).contiguous()
-    b13 = torch.randn(E, 2 * I, generator=g, device="cuda"); b2 = torch.randn(E, H, generator=g, device="cuda")
-    return mxmoe.prepare_weights(w13, s13, w2, s2, b13=b13, b2=b2)
+def experts(E, H, I, wide=False):
+    return random_experts(E, H, I, wide=wide, biases=True)
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()

@@ -12,6 +12,7 @@ import os
 import torch
 
 import mxmoe
+from _experts import random_experts
 from mxmoe._details import launch
 from mxmoe.bench import cuda_event_sampler, median
 
@@ -28,12 +29,7 @@ def main():
     ap.add_argument("--configs", default="", help="JSON list of override dicts")
     args = ap.parse_args()
     E, H, I, top_k = map(int, args.shape.split(","))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(118, 123, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s2 = torch.randint(118, 123, (E, H, I // 32), generator=g, dtype=torch.uint8, device="cuda")
-    ex = mxmoe.prepare_weights(w13, s13, w2, s2)
+    ex = random_experts(E, H, I)
     configs = json.loads(args.configs) if args.configs else [None]
     rows = []
     for T in map(int, args.tokens.split(",")):
