@@ -32,7 +32,7 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    kernel: str = "triton"  # "triton": gemm.moe_gemm_kernel; "gluon": gemm_sm90.moe_gemm_ws_kernel (sm90)
+    kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon" (moe_gemm_ws_kernel), "gluon_small"
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
     loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
     converter_regs: int = 112
@@ -59,8 +59,8 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
-    prefill = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8)) == TILE_ROWS[-1]
-    gluon = "gluon" if prefill and not fp8 and not gemm1 else "gluon_small"
+    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1]
+    gluon = "gluon" if prefill_gemm2 else "gluon_small"
     if choice == "gluon":
         if not hopper:
             raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
@@ -250,15 +250,14 @@ def _sm_count(device: torch.device) -> int:
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig):
     grid = (n // cfg.block_m, pack.tile_expert.numel())
-    if cfg.kernel == "gluon":  # persistent: at most one program per SM
-        grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
     else:  # the Gluon kernels (no interpreter form)
         kernel = _gluon_kernel(cfg.kernel)
         extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
-        if cfg.kernel == "gluon":
+        if cfg.kernel == "gluon":  # persistent: at most one program per SM
+            grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
             extra["SCALE_WORDS"] = cfg.scale_words
