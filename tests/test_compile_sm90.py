@@ -2,8 +2,8 @@
 
 Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill (plain
 template), prefill for the warp-specialized Gluon kernel (W4A16) and decode, small batches and prefill
-for the small-tile Gluon kernel, with both scale-load forms (``MXMOE_KERNEL=auto`` picks the Gluon
-kernels there). The
+for the small-tile Gluon kernel, with both scale-load forms and the decode K split (``MXMOE_KERNEL=auto``
+picks the Gluon kernels there). The
 compile runs in a subprocess without TRITON_INTERPRET (which the CPU test session sets, and
 which makes the kernels interpreter objects at import).
 """
@@ -25,15 +25,16 @@ def reports():
 
 
 def test_every_config_compiled(reports):
-    assert len(reports) == 26
+    assert len(reports) == 30
     assert sum(r["kernel"] == "gluon" for r in reports) == 2
     small = [r for r in reports if r["kernel"] == "gluon_small"]
-    assert len(small) == 16
+    assert len(small) == 20
     assert {r["config"]["block_rows"] for r in small} == {16, 64, 128}
     assert {r["config"]["scale_words"] for r in small} == {True, False}
+    assert {r["config"]["k_split"] for r in small} == {1, 2}
 
 
-@pytest.mark.parametrize("index", range(26))
+@pytest.mark.parametrize("index", range(30))
 def test_gemm_uses_wgmma_without_spills(reports, index):
     r = reports[index]
     expected = "QGMMA" if r["fp8"] else "HGMMA"

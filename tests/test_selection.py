@@ -138,3 +138,25 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, expected)
     cfgs = [launch.gemm_config(rows, 288, n, k, fp8, kernel=kernel, gemm1=g1)
             for (n, k, g1), kernel in zip(((1024, 4096, True), (4096, 1024, False)), expected)]
     assert cfgs[0].block_rows == cfgs[1].block_rows
+
+
+@pytest.mark.parametrize("rows,n,k,gemm1,sm_count,split", [
+    (8, 1024, 4096, True, 132, 2),      # reference shape T=1: 16 x 8 programs fit on 132 SMs
+    (16, 1024, 4096, True, 132, 1),     # T=2: up to 256 programs
+    (8, 4096, 1024, False, 132, 1),     # GEMM2 never (measured slower)
+    (8, 1024, 4096, True, 0, 1),        # SM count unknown
+    (4, 2880, 2880, True, 132, 1),      # second shape T=1: 45 x 4 programs
+    (8, 1024, 256, True, 132, 1),       # too few K steps to split
+])
+def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
+    """The small-tile kernel splits K over two warpgroups only where its decode GEMM1 grid fits on the SMs."""
+    from mxmoe._details.launch import gemm_config
+
+    for fp8 in (False, True):
+        cfg = gemm_config(rows, 288, n, k, fp8, kernel="gluon_small", gemm1=gemm1, sm_count=sm_count)
+        assert cfg.k_split == split and cfg.maxnreg == (128 if split == 2 else 0)
+    # an override wins
+    assert gemm_config(rows, 288, n, k, False, {"k_split": 1}, kernel="gluon_small", gemm1=gemm1,
+                       sm_count=sm_count).k_split == 1
+    with pytest.raises(ValueError, match="k_split"):
+        gemm_config(rows, 288, n, k, False, {"k_split": 3}, kernel="gluon_small", gemm1=gemm1)

@@ -5,7 +5,8 @@ MMA's M, routed rows its N). Two kernels:
 
 - ``moe_gemm_small_kernel`` (both precisions; every W4A8 GEMM and W4A16 GEMM1): one warpgroup reads
   exactly its wgmma register-operand words of the prepared (block-transposed) weights and converts
-  them in registers; no shared-memory round trip for the converted weights (see below).
+  them in registers; no shared-memory round trip for the converted weights (see below); for decode
+  grids smaller than the SM count, two warpgroups split the K steps.
 - ``moe_gemm_ws_kernel`` (W4A16 prefill tiles; GEMM2 in the default selection): persistent,
   warp-specialized, async wgmma. Plain Triton 3.6 waits on every wgmma, so conversion and MMA never
   overlap there; here the partitions run concurrently, each walking the program's tiles:
@@ -31,6 +32,7 @@ from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
+SPLIT_WORKER_REGS = gl.constexpr(128)  # the small-tile kernel's second K-split warpgroup (decode tiles)
 
 
 @gluon.jit
@@ -416,6 +418,175 @@ def _bf16_operand(words, f, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr
 
 
 @gluon.jit
+def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                NUM_STAGES: gl.constexpr):
+    """One warpgroup's ``cp.async`` ring: packed weight tiles of each half, gathered activation rows and a
+    ``loaded`` barrier per stage (every thread of the warpgroup arrives)."""
+    packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK], gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
+    loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_STAGES):
+        mbarrier.init(loaded.index(j), count=32 * 4)
+    return packed, act, loaded
+
+
+@gluon.jit
+def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0, N, K,
+                 top_k, first_step, num_steps, GEMM1: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr,
+                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr):
+    """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
+    (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of both halves (W4A16: still to be
+    multiplied by 2**(ref - 127) per row)."""
+    NB: gl.constexpr = BK // 32
+    NH: gl.constexpr = 2 if GEMM1 else 1
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BT, 32 if FP8 else 16])
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
+    WL: gl.constexpr = _fragment_words_layout(BM, BK)
+    SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
+    ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
+                                                   w_row0, K, GEMM1, BM, BT, BK)
+
+    # scale bytes and the row references, one value per (row, block) of the thread's operand
+    sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
+    sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
+    s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
+    up_scales = N * (K // 32)
+    ref_g = gl.load(ref_ptr + w_row0 + sm)[:, None]
+    ref_u = ref_g
+    if NH == 2:
+        ref_u = gl.load(ref_ptr + w_row0 + N + sm)[:, None]
+
+    for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
+        if j < num_steps:
+            for h in gl.static_range(NH):
+                async_copy.async_copy_global_to_shared(packed.index(j * NH + h),
+                                                       w_ptrs + h * N * row_bytes + (first_step + j) * (BK // 2))
+            async_copy.async_copy_global_to_shared(act.index(j), a_ptrs + (first_step + j) * BK, mask=ok[:, None])
+            async_copy.mbarrier_arrive(loaded.index(j), increment_count=False)
+
+    zero = gl.zeros((BM, BT), gl.float32, MMA)
+    acc_g = zero
+    acc_u = zero
+    # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
+    # row and G = 4/NB steps, its bytes taken out by shifts (one-byte loads per step crowd the
+    # memory-instruction queue, docs/perf-notes.md step 10); else NB bytes per row and step. Either is
+    # loaded one step (group of steps) before it is used.
+    G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
+    w_rows = (s_ptr + (w_row0 + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+    w_rows += first_step // G
+    up_words = N * (K // 128)
+    sc_g = gl.zeros([BM, NB], gl.int32, SC)
+    sc_u = sc_g
+    nxt_wg = gl.zeros([BM], gl.int32, gl.SliceLayout(1, SC))
+    nxt_wu = nxt_wg
+    if SCALE_WORDS:
+        nxt_wg = gl.load(w_rows)
+        if NH == 2:
+            nxt_wu = gl.load(w_rows + up_words)
+    else:
+        sc_g = gl.load(s_ptrs).to(gl.int32)
+        if NH == 2:
+            sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
+    # W4A16: a step's codes are loaded (shared) during the step before
+    codes_g = gl.zeros([BM, NB, 4], gl.int32, WL)
+    codes_u = codes_g
+    if not FP8:
+        mbarrier.wait(loaded.index(0), 0)
+        codes_g = _fragment_words(packed.index(0), BM, BK, WL)
+        if NH == 2:
+            codes_u = _fragment_words(packed.index(1), BM, BK, WL)
+    for jg in range(gl.cdiv(num_steps, G)):
+        cur_wg = nxt_wg
+        cur_wu = nxt_wu
+        if SCALE_WORDS:
+            if (jg + 1) * G < num_steps:
+                nxt_wg = gl.load(w_rows + jg + 1)
+                if NH == 2:
+                    nxt_wu = gl.load(w_rows + up_words + jg + 1)
+        for g in gl.static_range(G):
+            i = jg * G + g
+            if i < num_steps:
+                s = i % NUM_STAGES
+                # refill the slot the previous step read (its MMA has completed: each step waits for it)
+                nxt = i + NUM_STAGES - 1
+                if nxt < num_steps:
+                    t = nxt % NUM_STAGES
+                    for h in gl.static_range(NH):
+                        async_copy.async_copy_global_to_shared(packed.index(t * NH + h),
+                                                               w_ptrs + h * N * row_bytes + (first_step + nxt) * (BK // 2))
+                    async_copy.async_copy_global_to_shared(act.index(t), a_ptrs + (first_step + nxt) * BK, mask=ok[:, None])
+                    async_copy.mbarrier_arrive(loaded.index(t), increment_count=False)
+                if SCALE_WORDS:
+                    shift = (8 * (g * NB + sb))[None, :]
+                    sc_g = (cur_wg[:, None] >> shift) & 0xFF
+                    sc_u = (cur_wu[:, None] >> shift) & 0xFF
+                cur_sg = sc_g
+                cur_su = sc_u
+                if not SCALE_WORDS and i + 1 < num_steps:
+                    sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+                    if NH == 2:
+                        sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
+                if FP8:
+                    mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
+                    ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
+                    ops_u = ops_g
+                    if NH == 2:
+                        ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
+                    for b in gl.static_range(NB):
+                        xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
+                        fac_g = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1) - 121),
+                                                  ROWS)
+                        pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
+                        if NH == 2:
+                            fac_u = gl.convert_layout(
+                                _pow2(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1) - 121), ROWS)
+                            pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
+                            pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
+                            acc_u += pu * fac_u[:, None]
+                        else:
+                            pg = warpgroup_mma_wait(0, deps=(pg, ))
+                        acc_g += pg * fac_g[:, None]
+                else:
+                    # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080
+                    f_g = gl.maximum(253 + cur_sg - ref_g, 0) * 0x00800080
+                    f_u = gl.maximum(253 + cur_su - ref_u, 0) * 0x00800080
+                    cur_g = codes_g
+                    cur_u = codes_u
+                    if i + 1 < num_steps:
+                        t = (i + 1) % NUM_STAGES
+                        mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
+                        codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
+                        if NH == 2:
+                            codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
+                    xb = act.index(s).permute((1, 0))
+                    acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
+                    if NH == 2:
+                        acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
+                        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+                    else:
+                        acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+    return acc_g, acc_u
+
+
+@gluon.jit
+def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
+                           N, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr, FP8: gl.constexpr,
+                           BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           SCALE_WORDS: gl.constexpr):
+    """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
+    (shared), then one arrive on ``done``."""
+    acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
+                                slot0, N, K, top_k, first_step, num_steps, GEMM1, FP8, BM, BT, BK, NUM_STAGES,
+                                SCALE_WORDS)
+    partial.index(0).store(acc_g)
+    if GEMM1:
+        partial.index(1).store(acc_u)
+    mbarrier.arrive(done)
+
+
+@gluon.jit
 def moe_gemm_small_kernel(
     a_ptr, a_scale_ptr, stride_a,
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
@@ -425,7 +596,7 @@ def moe_gemm_small_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-    OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False,
+    OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -433,7 +604,8 @@ def moe_gemm_small_kernel(
     (``prepare``'s block-transposed layout) and converts them in registers. W4A16: BF16 with the block
     scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32 or 64): E2M1 * 2**-6 in
     E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 121)
-    into the FP32 accumulators (exact for any span of scales)."""
+    into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
+    SM count): a second warpgroup runs the second half of the K steps on its own ring."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 64)
     pid_n = gl.program_id(0)
@@ -445,140 +617,34 @@ def moe_gemm_small_kernel(
         num_k = K // BK
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BT, 32 if FP8 else 16])
-        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
-        WL: gl.constexpr = _fragment_words_layout(BM, BK)
-        SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
         ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
-
-        packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
-        loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(NUM_STAGES):
-            mbarrier.init(loaded.index(j), count=32 * gl.num_warps())
-
-        w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
-                                                       w_row0, K, GEMM1, BM, BT, BK)
-
-        # scale bytes and the row references, one value per (row, block) of the thread's operand
-        sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
-        sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
-        s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + sb[None, :]
-        up_scales = N * (K // 32)
-        ref_g = gl.load(ref_ptr + w_row0 + sm)[:, None]
-        ref_u = ref_g
-        if NH == 2:
-            ref_u = gl.load(ref_ptr + w_row0 + N + sm)[:, None]
-
-        for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
-            if j < num_k:
-                for h in gl.static_range(NH):
-                    async_copy.async_copy_global_to_shared(packed.index(j * NH + h), w_ptrs + h * N * row_bytes + j * (BK // 2))
-                async_copy.async_copy_global_to_shared(act.index(j), a_ptrs + j * BK, mask=ok[:, None])
-                async_copy.mbarrier_arrive(loaded.index(j), increment_count=False)
-
-        zero = gl.zeros((BM, BT), gl.float32, MMA)
-        acc_g = zero
-        acc_u = zero
-        # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
-        # row and G = 4/NB steps, its bytes taken out by shifts (one-byte loads per step crowd the
-        # memory-instruction queue, docs/perf-notes.md step 10); else NB bytes per row and step. Either is
-        # loaded one step (group of steps) before it is used.
-        G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
-        w_rows = (s_ptr + (w_row0 + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
-        up_words = N * (K // 128)
-        sc_g = gl.zeros([BM, NB], gl.int32, SC)
-        sc_u = sc_g
-        nxt_wg = gl.zeros([BM], gl.int32, gl.SliceLayout(1, SC))
-        nxt_wu = nxt_wg
-        if SCALE_WORDS:
-            nxt_wg = gl.load(w_rows)
-            if NH == 2:
-                nxt_wu = gl.load(w_rows + up_words)
+        packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+        if KSPLIT == 1:
+            acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
+                                        w_row0, slot0, N, K, top_k, 0, num_k, GEMM1, FP8, BM, BT, BK, NUM_STAGES,
+                                        SCALE_WORDS)
         else:
-            sc_g = gl.load(s_ptrs).to(gl.int32)
+            # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
+            # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
+            gl.static_assert(KSPLIT == 2)
+            packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+            partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(done, count=1)
+            G: gl.constexpr = 4 // NB if SCALE_WORDS else 1  # the halves split at whole scale-word groups
+            half = (num_k // (2 * G)) * G
+            acc_g, acc_u = gl.warp_specialize([
+                (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
+                                slot0, N, K, top_k, 0, half, GEMM1, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS)),
+                (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
+                                          w_row0, slot0, N, K, top_k, half, num_k - half, partial, done, GEMM1, FP8, BM,
+                                          BT, BK, NUM_STAGES, SCALE_WORDS)),
+            ], [4], [SPLIT_WORKER_REGS])
+            mbarrier.wait(done, 0)
+            acc_g = acc_g + partial.index(0).load(MMA)
             if NH == 2:
-                sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
-        # W4A16: a step's codes are loaded (shared) during the step before
-        codes_g = gl.zeros([BM, NB, 4], gl.int32, WL)
-        codes_u = codes_g
-        if not FP8:
-            mbarrier.wait(loaded.index(0), 0)
-            codes_g = _fragment_words(packed.index(0), BM, BK, WL)
-            if NH == 2:
-                codes_u = _fragment_words(packed.index(1), BM, BK, WL)
-        for jg in range(gl.cdiv(num_k, G)):
-            cur_wg = nxt_wg
-            cur_wu = nxt_wu
-            if SCALE_WORDS:
-                if (jg + 1) * G < num_k:
-                    nxt_wg = gl.load(w_rows + jg + 1)
-                    if NH == 2:
-                        nxt_wu = gl.load(w_rows + up_words + jg + 1)
-            for g in gl.static_range(G):
-                i = jg * G + g
-                if i < num_k:
-                    s = i % NUM_STAGES
-                    # refill the slot the previous step read (its MMA has completed: each step waits for it)
-                    nxt = i + NUM_STAGES - 1
-                    if nxt < num_k:
-                        t = nxt % NUM_STAGES
-                        for h in gl.static_range(NH):
-                            async_copy.async_copy_global_to_shared(packed.index(t * NH + h),
-                                                                   w_ptrs + h * N * row_bytes + nxt * (BK // 2))
-                        async_copy.async_copy_global_to_shared(act.index(t), a_ptrs + nxt * BK, mask=ok[:, None])
-                        async_copy.mbarrier_arrive(loaded.index(t), increment_count=False)
-                    if SCALE_WORDS:
-                        shift = (8 * (g * NB + sb))[None, :]
-                        sc_g = (cur_wg[:, None] >> shift) & 0xFF
-                        sc_u = (cur_wu[:, None] >> shift) & 0xFF
-                    cur_sg = sc_g
-                    cur_su = sc_u
-                    if not SCALE_WORDS and i + 1 < num_k:
-                        sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
-                        if NH == 2:
-                            sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
-                    if FP8:
-                        mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-                        ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
-                        ops_u = ops_g
-                        if NH == 2:
-                            ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
-                        for b in gl.static_range(NB):
-                            xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
-                            fac_g = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1) - 121),
-                                                      ROWS)
-                            pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
-                            if NH == 2:
-                                fac_u = gl.convert_layout(
-                                    _pow2(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1) - 121), ROWS)
-                                pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
-                                pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
-                                acc_u += pu * fac_u[:, None]
-                            else:
-                                pg = warpgroup_mma_wait(0, deps=(pg, ))
-                            acc_g += pg * fac_g[:, None]
-                    else:
-                        # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080
-                        f_g = gl.maximum(253 + cur_sg - ref_g, 0) * 0x00800080
-                        f_u = gl.maximum(253 + cur_su - ref_u, 0) * 0x00800080
-                        cur_g = codes_g
-                        cur_u = codes_u
-                        if i + 1 < num_k:
-                            t = (i + 1) % NUM_STAGES
-                            mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
-                            codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
-                            if NH == 2:
-                                codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
-                        xb = act.index(s).permute((1, 0))
-                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
-                        if NH == 2:
-                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
-                            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-                        else:
-                            acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+                acc_u = acc_u + partial.index(1).load(MMA)
         if not FP8:
             offs_r = gl.arange(0, BM, layout=ROWS)
             acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]

@@ -37,6 +37,7 @@ class GemmConfig:
     loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
     converter_regs: int = 112
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
+    k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
@@ -102,7 +103,7 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1]) -> int:
 
 
 def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
-                kernel: str = "triton", gemm1: bool = True) -> GemmConfig:
+                kernel: str = "triton", gemm1: bool = True, sm_count: int = 0) -> GemmConfig:
     override = dict(override or {})
     kernel = override.pop("kernel", kernel)
     if kernel == "gluon_small":
@@ -110,11 +111,18 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
         bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0)
+        # decode GEMM1 whose programs (at most one route tile per routed row) fit on the SMs at once: one
+        # warpgroup per SM issues too few instructions per cycle, so a second one takes half of the K steps
+        # (T=1 on the H200: 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12)
+        if gemm1 and sm_count and rows <= num_experts and (n // 64) * rows <= sm_count and k >= 512:
+            cfg.update(k_split=2, maxnreg=128)
         cfg.update(override)
         if k % cfg["block_k"]:
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
         if cfg["scale_words"] and (k % 128 or 128 % cfg["block_k"]):
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
+        if cfg.get("k_split", 1) not in (1, 2):
+            raise ValueError("k_split must be 1 or 2")
         return GemmConfig(kernel="gluon_small", **cfg)
     if kernel == "gluon":
         if fp8:
@@ -260,7 +268,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
-            extra["SCALE_WORDS"] = cfg.scale_words
+            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     kernel[grid](
@@ -300,8 +308,9 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     R = T * top_k
     # the Gluon kernel: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
+    sms = _sm_count(x.device) if x.device.type == "cuda" else 0
     cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=True),
-                       gemm1=True)
+                       gemm1=True, sm_count=sms)
     cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False),
                        gemm1=False)
     assert cfg1.block_rows == cfg2.block_rows, "both GEMMs read one route pack"

@@ -66,7 +66,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
-            const.update(SCALE_WORDS=cfg.scale_words)
+            const.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
@@ -99,7 +99,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
     ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
     Gluon kernel at ``small_rows`` (both precisions), and at its first rows also with per-step scale-byte
-    loads (the form for K % 128 != 0)."""
+    loads (the form for K % 128 != 0) and with the decode K split (two warpgroups)."""
     from .launch import gemm_config
 
     out = []
@@ -107,6 +107,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
                                                           ("gluon_small", small_rows, (False, True)))
              for r in rs for fp8 in fp8s]
     cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False)) for fp8 in (False, True)]
+    cases += [("gluon_small", small_rows[0], fp8, dict(k_split=2, maxnreg=128)) for fp8 in (False, True)]
     for kernel, r, fp8, override in cases:
         for gemm1 in (True, False):
             n, k = (I, H) if gemm1 else (H, I)
