@@ -160,3 +160,17 @@ def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
                        sm_count=sm_count).k_split == 1
     with pytest.raises(ValueError, match="k_split"):
         gemm_config(rows, 288, n, k, False, {"k_split": 3}, kernel="gluon_small", gemm1=gemm1)
+
+
+@pytest.mark.parametrize("rows,fp8,k,block_k", [
+    (8, False, 1024, 128),        # decode W4A16 GEMM2: 16-row tiles, 128-K stages
+    (288 * 16, False, 1024, 128),
+    (288 * 32, False, 1024, 64),  # 32-row tiles: 64
+    (8, True, 1024, 64),          # W4A8 stays one or two K32 blocks per stage
+    (8, False, 2880, 64),         # K % 128 != 0
+])
+def test_decode_gemm2_stage_depth(rows, fp8, k, block_k):
+    from mxmoe._details.launch import gemm_config
+
+    assert gemm_config(rows, 288, 4096, k, fp8, kernel="gluon_small", gemm1=False).block_k == block_k
+    assert gemm_config(rows, 288, 1024, 4096, fp8, kernel="gluon_small", gemm1=True).block_k == 64

@@ -116,6 +116,10 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # (T=1 on the H200: 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12)
         if gemm1 and sm_count and rows <= num_experts and (n // 64) * rows <= sm_count and k >= 512:
             cfg.update(k_split=2, maxnreg=128)
+        # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
+        # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
+        if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
+            cfg.update(block_k=128)
         cfg.update(override)
         if k % cfg["block_k"]:
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
