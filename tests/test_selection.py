@@ -160,6 +160,8 @@ def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
                        sm_count=sm_count).k_split == 1
     with pytest.raises(ValueError, match="k_split"):
         gemm_config(rows, 288, n, k, False, {"k_split": 3}, kernel="gluon_small", gemm1=gemm1)
+    with pytest.raises(ValueError, match="K steps"):  # each warpgroup needs whole scale-word groups of steps
+        gemm_config(rows, 288, n, 128, False, {"k_split": 2}, kernel="gluon_small", gemm1=gemm1)
 
 
 @pytest.mark.parametrize("rows,fp8,k,block_k", [

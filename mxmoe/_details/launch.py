@@ -127,6 +127,9 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
         if cfg.get("k_split", 1) not in (1, 2):
             raise ValueError("k_split must be 1 or 2")
+        group = 128 // cfg["block_k"] if cfg["scale_words"] else 1  # K steps per scale word
+        if (k // cfg["block_k"]) // (cfg.get("k_split", 1) * group) < 1:
+            raise ValueError(f"k_split={cfg['k_split']} needs at least {cfg['k_split'] * group} K steps, K={k} has fewer")
         return GemmConfig(kernel="gluon_small", **cfg)
     if kernel == "gluon":
         if fp8:
