@@ -1,4 +1,5 @@
-"""Compile the GEMM kernels for sm_90a on the CPU: tensor-core MMA (wgmma) in the SASS, no spills.
+"""Compile the GEMM kernels for sm_90a on the CPU: tensor-core MMA (wgmma) in the SASS, no spills, no
+serialized wgmma pipeline.
 
 Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill (plain
 template), prefill for the warp-specialized Gluon kernel (W4A16) and decode, small batches and prefill
@@ -45,4 +46,7 @@ def test_gemm_uses_wgmma_without_spills(reports, index):
     # address bases LLVM computes before that release spill once per program (W4A16 GEMM2: 24 bytes
     # stored, 20 reloaded), never inside the pipelines, so a small budget is allowed there.
     assert r["spill_bytes"] <= (64 if r["kernel"] == "gluon" else 0), r
+    # ptxas serializes the asynchronous wgmma pipeline (C7515) when it cannot prove the accumulators and
+    # register operands untouched in flight: correct, but the MMAs stop overlapping anything
+    assert not r["wgmma_serialized"], r
     assert r["async_copies"] > 0, f"the K loop's loads were not pipelined: {r}"

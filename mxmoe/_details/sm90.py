@@ -31,6 +31,7 @@ class KernelReport:
     mma_ops: list
     async_copies: int
     ttgir: str
+    wgmma_serialized: bool = False  # ptxas C7515: it serialized the asynchronous wgmma pipeline
 
 
 def _tool(name: str) -> str:
@@ -91,7 +92,8 @@ def report(kernel) -> KernelReport:
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     mma = sorted(set(re.findall(r"\b[HQ]GMMA\.\S+|\bHMMA\.\S+", sass)))
     ttgir = kernel.asm["ttgir"]
-    return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir)
+    return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir,
+                        "wgmma.mma_async instructions are serialized" in log)
 
 
 def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
@@ -115,7 +117,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
             rep = report(compile_gemm(gemm1, fp8, cfg))
             out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
                             spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
-                            async_copies=rep.async_copies))
+                            async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized))
     return out
 
 
