@@ -1,0 +1,57 @@
+"""Per-GEMM config variants at decode and small-batch T (developer tool; W4A16, reference shape).
+
+    python3 scripts/gemm_variants.py 1,16,64 '[{}, {"g2": {"block_k": 128}}, {"g1": {"k_split": 2, "maxnreg": 128}}]'
+
+Each variant is a ``config_override`` for GEMM1 (``g1``) and/or GEMM2 (``g2``) alone, applied on top of
+what ``launch.gemm_config`` picks (``run_fused_moe`` itself applies one override to both GEMMs). Prints,
+per T and variant: the median CUDA-graph replay time of the whole call, the per-kernel device times
+(torch profiler, median of 5 calls, launch order: route pack, GEMM1, GEMM2, top-k sum) and the relative
+L2 difference of the output from the first variant's (0 = bit-identical)."""
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import mxmoe
+from _experts import random_experts
+from mxmoe._details import launch
+from mxmoe.bench import capture_graph, cuda_event_sampler, median
+
+E, H, I, top_k = 288, 4096, 1024, 8
+experts = random_experts(E, H, I)
+default_config = launch.gemm_config
+variant: dict = {}
+
+
+def gemm_config(rows, num_experts, n, k, fp8, override=None, kernel="triton", gemm1=True, sm_count=0):
+    own = dict(variant.get("g1" if gemm1 else "g2", {}))
+    return default_config(rows, num_experts, n, k, fp8, own or None, kernel=kernel, gemm1=gemm1, sm_count=sm_count)
+
+
+launch.gemm_config = gemm_config
+for T in [int(t) for t in sys.argv[1].split(",")]:
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    ids = torch.randint(0, E, (T, top_k), device="cuda", dtype=torch.int32)
+    w = torch.rand(T, top_k, device="cuda")
+    ws, out, first = mxmoe.Workspace(experts, T, top_k), torch.empty_like(x), None
+    for v in json.loads(sys.argv[2]):
+        variant.clear()
+        variant.update(v)
+        fn = lambda: launch.run_fused_moe(x, experts, w, ids, "silu", float("inf"), 1.0, None, "w4a16", out, ws, None)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        first = out.clone() if first is None else first
+        rel = ((out.float() - first.float()).norm() / first.float().norm()).item()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        n = len(events) // 5
+        kernels = [sorted(events[i * n + j].device_time for i in range(5))[2] for j in range(n)]
+        graph = capture_graph(fn)
+        replay_ms = median(cuda_event_sampler(graph.replay, 60))
+        print(f"T={T} {json.dumps(v)}: graph {replay_ms * 1000:.1f} us  kernels "
+              + " ".join(f"{d:.1f}" for d in kernels) + f"  rel={rel:.2e}", flush=True)
