@@ -235,10 +235,11 @@ def unprepare_weights(experts: PreparedExperts) -> dict:
 
     check_layout_version(experts)
     layout = experts.source_layout
+    w13, w2 = experts.source_order_weights()
     out = dict(
-        w13=_from_gate_up(swap_block_bytes(experts.w13), layout).contiguous(),
+        w13=_from_gate_up(w13, layout).contiguous(),
         w13_scale=scale(_from_gate_up(experts.w13_scale, layout).contiguous(), experts.source_scale_dtypes[0]),
-        w2=swap_block_bytes(experts.w2), w2_scale=scale(experts.w2_scale.clone(), experts.source_scale_dtypes[1]), w13_layout=layout,
+        w2=w2, w2_scale=scale(experts.w2_scale.clone(), experts.source_scale_dtypes[1]), w13_layout=layout,
     )
     if experts.b13 is not None:
         out["b13"] = _from_gate_up(experts.b13.unsqueeze(-1), layout).squeeze(-1).contiguous()

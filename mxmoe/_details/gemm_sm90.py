@@ -79,6 +79,17 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
 
 
 @gluon.jit
+def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_bytes, slot, step, NH: gl.constexpr, BK: gl.constexpr):
+    """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
+    of each half and the gathered activation rows; every calling thread then arrives on the slot's ``loaded``
+    barrier once its own copies have landed (count = the calling threads)."""
+    for h in gl.static_range(NH):
+        async_copy.async_copy_global_to_shared(packed.index(slot * NH + h), w_ptrs + h * half_bytes + step * (BK // 2))
+    async_copy.async_copy_global_to_shared(act.index(slot), a_ptrs + step * BK, mask=ok[:, None])
+    async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
+
+
+@gluon.jit
 def _loader(w_ptr, a_ptr, stride_a, routes_ptr, tile_expert_ptr, first, end, stride, top_k, N, K, num_k,
             packed, act, loaded, consumed,
             GEMM1: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
@@ -93,11 +104,7 @@ def _loader(w_ptr, a_ptr, stride_a, routes_ptr, tile_expert_ptr, first, end, str
             c = c0 + i
             s = c % NUM_STAGES
             mbarrier.wait(consumed.index(s), ((c // NUM_STAGES) & 1) ^ 1)
-            for h in gl.static_range(NH):
-                async_copy.async_copy_global_to_shared(packed.index(s * NH + h), w_ptrs + h * N * row_bytes + i * (BK // 2))
-            async_copy.async_copy_global_to_shared(act.index(s), a_ptrs + i * BK, mask=ok[:, None])
-            # every loader thread arrives once its own copies have landed (count = loader threads)
-            async_copy.mbarrier_arrive(loaded.index(s), increment_count=False)
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N * row_bytes, s, i, NH, BK)
         c0 += num_k
 
 
@@ -460,11 +467,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
 
     for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
         if j < num_steps:
-            for h in gl.static_range(NH):
-                async_copy.async_copy_global_to_shared(packed.index(j * NH + h),
-                                                       w_ptrs + h * N * row_bytes + (first_step + j) * (BK // 2))
-            async_copy.async_copy_global_to_shared(act.index(j), a_ptrs + (first_step + j) * BK, mask=ok[:, None])
-            async_copy.mbarrier_arrive(loaded.index(j), increment_count=False)
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N * row_bytes, j, first_step + j, NH, BK)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -512,12 +515,8 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                 # refill the slot the previous step read (its MMA has completed: each step waits for it)
                 nxt = i + NUM_STAGES - 1
                 if nxt < num_steps:
-                    t = nxt % NUM_STAGES
-                    for h in gl.static_range(NH):
-                        async_copy.async_copy_global_to_shared(packed.index(t * NH + h),
-                                                               w_ptrs + h * N * row_bytes + (first_step + nxt) * (BK // 2))
-                    async_copy.async_copy_global_to_shared(act.index(t), a_ptrs + (first_step + nxt) * BK, mask=ok[:, None])
-                    async_copy.mbarrier_arrive(loaded.index(t), increment_count=False)
+                    _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N * row_bytes, nxt % NUM_STAGES,
+                                 first_step + nxt, NH, BK)
                 if SCALE_WORDS:
                     shift = (8 * (g * NB + sb))[None, :]
                     sc_g = (cur_wg[:, None] >> shift) & 0xFF

@@ -110,7 +110,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         if k % 64 or n % 64:
             raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
         bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
-        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0)
+        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
+                   k_split=1)
         # decode GEMM1 whose programs (at most one route tile per routed row) fit on the SMs at once: one
         # warpgroup per SM issues too few instructions per cycle, so a second one takes half of the K steps
         # (T=1 on the H200: 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12)
@@ -125,10 +126,10 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
         if cfg["scale_words"] and (k % 128 or 128 % cfg["block_k"]):
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
-        if cfg.get("k_split", 1) not in (1, 2):
+        if cfg["k_split"] not in (1, 2):
             raise ValueError("k_split must be 1 or 2")
         group = 128 // cfg["block_k"] if cfg["scale_words"] else 1  # K steps per scale word
-        if (k // cfg["block_k"]) // (cfg.get("k_split", 1) * group) < 1:
+        if (k // cfg["block_k"]) // (cfg["k_split"] * group) < 1:
             raise ValueError(f"k_split={cfg['k_split']} needs at least {cfg['k_split'] * group} K steps, K={k} has fewer")
         return GemmConfig(kernel="gluon_small", **cfg)
     if kernel == "gluon":
