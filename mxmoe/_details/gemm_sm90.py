@@ -79,12 +79,12 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
 
 
 @gluon.jit
-def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_bytes, slot, step, NH: gl.constexpr, BK: gl.constexpr):
+def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, slot, step, NH: gl.constexpr, BK: gl.constexpr):
     """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
     of each half and the gathered activation rows; every calling thread then arrives on the slot's ``loaded``
     barrier once its own copies have landed (count = the calling threads)."""
     for h in gl.static_range(NH):
-        async_copy.async_copy_global_to_shared(packed.index(slot * NH + h), w_ptrs + h * half_bytes + step * (BK // 2))
+        async_copy.async_copy_global_to_shared(packed.index(slot * NH + h), w_ptrs + h * N * row_bytes + step * (BK // 2))
     async_copy.async_copy_global_to_shared(act.index(slot), a_ptrs + step * BK, mask=ok[:, None])
     async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
 
@@ -104,7 +104,7 @@ def _loader(w_ptr, a_ptr, stride_a, routes_ptr, tile_expert_ptr, first, end, str
             c = c0 + i
             s = c % NUM_STAGES
             mbarrier.wait(consumed.index(s), ((c // NUM_STAGES) & 1) ^ 1)
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N * row_bytes, s, i, NH, BK)
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, s, i, NH, BK)
         c0 += num_k
 
 
@@ -467,7 +467,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
 
     for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
         if j < num_steps:
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N * row_bytes, j, first_step + j, NH, BK)
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, j, first_step + j, NH, BK)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -515,7 +515,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                 # refill the slot the previous step read (its MMA has completed: each step waits for it)
                 nxt = i + NUM_STAGES - 1
                 if nxt < num_steps:
-                    _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N * row_bytes, nxt % NUM_STAGES,
+                    _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, nxt % NUM_STAGES,
                                  first_step + nxt, NH, BK)
                 if SCALE_WORDS:
                     shift = (8 * (g * NB + sb))[None, :]
