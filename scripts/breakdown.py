@@ -1,9 +1,12 @@
-"""Per-kernel device times of one fused_moe call (developer tool; torch profiler, median of 5 calls).
+"""Per-kernel device times of one fused_moe call per config variant (developer tool; torch profiler,
+median of 5 calls; the variants interleaved per T).
 
-    python3 scripts/breakdown.py 2048,8192 [w4a16,w4a8] ['{"kernel": "gluon_small", "block_rows": 64}']
+    python3 scripts/breakdown.py 2048,8192 [w4a16,w4a8] ['[{}, {"num_warps": 8}, {"g1": {"num_warps": 8}}]']
 
-Reference shape; the optional JSON is a ``config_override`` for both GEMMs (default: the kernels
-``MXMOE_KERNEL`` selects)."""
+Reference shape. Each variant is a ``config_override``: flat for both GEMMs, or ``{"g1": {...}, "g2": {...}}``
+for each GEMM alone (applied on top of what ``launch.gemm_config`` picks; ``{}`` = the default
+selection). Also prints the relative L2 difference of each variant's output from the first variant's
+(0 = bit-identical)."""
 import json
 import sys
 
@@ -13,26 +16,50 @@ import mxmoe
 from _experts import random_experts
 from mxmoe._details import launch
 from torch.profiler import profile, ProfilerActivity
+
 E, H, I, k = 288, 4096, 1024, 8
 ex = random_experts(E, H, I)
 Ts = [int(t) for t in sys.argv[1].split(",")]
 precs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["w4a16", "w4a8"]
-over = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+variants = json.loads(sys.argv[3]) if len(sys.argv) > 3 else [{}]
+if isinstance(variants, dict):
+    variants = [variants]
+default_config = launch.gemm_config
+current: dict = {}
+
+
+def gemm_config(rows, num_experts, n, k, fp8, override=None, kernel="triton", gemm1=True, sm_count=0):
+    own = dict(current.get("g1" if gemm1 else "g2", {})) if ("g1" in current or "g2" in current) else dict(override or {})
+    return default_config(rows, num_experts, n, k, fp8, own or None, kernel=kernel, gemm1=gemm1, sm_count=sm_count)
+
+
+launch.gemm_config = gemm_config
 for T in Ts:
     x = torch.randn(T, H, device="cuda").bfloat16(); ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
     w = torch.rand(T, k, device="cuda"); ws = mxmoe.Workspace(ex, T, k); out = torch.empty_like(x)
     for prec in precs:
-        fn = lambda: launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, dict(over))
-        for _ in range(3): fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(5): fn()
+        first = None
+        for v in variants:
+            current.clear(); current.update(v)
+            flat = {} if ("g1" in v or "g2" in v) else dict(v)
+            fn = lambda: launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, dict(flat))
+            out.fill_(float("nan"))
+            for _ in range(3): fn()
             torch.cuda.synchronize()
-        evs = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        n = len(evs) // 5
-        rows = []
-        for j in range(n):
-            d = sorted(evs[i * n + j].device_time for i in range(5))[2]
-            rows.append((evs[j].name[:40], d))
-        tot = sum(d for _, d in rows)
-        print(f"T={T} {prec}: total {tot/1000:.3f} ms  " + "  ".join(f"{nm}:{d/1000:.3f}" for nm, d in rows), flush=True)
+            res = out.clone()
+            if first is None:
+                first = res
+            diff = ((res.float() - first.float()).norm() / first.float().norm()).item()
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                for _ in range(5): fn()
+                torch.cuda.synchronize()
+            evs = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            n = len(evs) // 5
+            rows = []
+            for j in range(n):
+                d = sorted(evs[i * n + j].device_time for i in range(5))[2]
+                rows.append((evs[j].name[:28], d))
+            tot = sum(d for _, d in rows)
+            gemms = [d for nm, d in rows if "gemm" in nm]
+            print(f"T={T} {prec} {json.dumps(v)}: total {tot/1000:.3f} ms gemms " + " ".join(f"{d/1000:.3f}" for d in gemms)
+                  + f" | rel {diff:.2e} nan {int(res.isnan().sum())} | " + " ".join(f"{nm}:{d/1000:.3f}" for nm, d in rows), flush=True)

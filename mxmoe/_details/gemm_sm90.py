@@ -44,6 +44,14 @@ def _pow2(exp):
 
 
 @gluon.jit
+def _block_factor(b):
+    """FP32 2**(b - 121) for scale bytes b in [0, 255] (W4A8: the partial sum of E2M1 * 2**-6 times it is
+    the block's exact contribution): the exponent field b + 6 itself, inf from b = 249 on (as ``_pow2``,
+    whose two normal factors overflow there too), in two integer operations instead of ``_pow2``'s six."""
+    return (gl.minimum(b + 6, 255) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr):
     """(expert, first output row n0, first weight row, first route-pack slot) of program (pid_n, pid_t)."""
     expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
@@ -535,12 +543,12 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                         ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
                     for b in gl.static_range(NB):
                         xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
-                        fac_g = gl.convert_layout(_pow2(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1) - 121),
+                        fac_g = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)),
                                                   ROWS)
                         pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
                         if NH == 2:
-                            fac_u = gl.convert_layout(
-                                _pow2(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1) - 121), ROWS)
+                            fac_u = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1)),
+                                                      ROWS)
                             pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
                             pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
                             acc_u += pu * fac_u[:, None]
