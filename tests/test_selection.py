@@ -164,15 +164,19 @@ def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
         gemm_config(rows, 288, n, 128, False, {"k_split": 2}, kernel="gluon_small", gemm1=gemm1)
 
 
-@pytest.mark.parametrize("rows,fp8,k,block_k", [
-    (8, False, 1024, 128),        # decode W4A16 GEMM2: 16-row tiles, 128-K stages
-    (288 * 16, False, 1024, 128),
-    (288 * 32, False, 1024, 64),  # 32-row tiles: 64
-    (8, True, 1024, 64),          # W4A8 stays one or two K32 blocks per stage
-    (8, False, 2880, 64),         # K % 128 != 0
+@pytest.mark.parametrize("rows,fp8,gemm1,k,block_k,stages", [
+    (8, False, False, 1024, 128, 4),        # decode W4A16 GEMM2: 16-row tiles, 128-K stages
+    (288 * 16, False, False, 1024, 128, 4),
+    (288 * 32, False, False, 1024, 64, 4),  # 32-row tiles: 64
+    (8, False, True, 4096, 64, 4),          # W4A16 GEMM1: 64
+    (8, True, False, 1024, 128, 3),         # W4A8: 128-K stages (4 K32 blocks), 3 of them up to 32-row tiles
+    (288 * 32, True, True, 4096, 128, 3),
+    (288 * 64, True, True, 4096, 128, 4),
+    (8, True, True, 2880, 64, 4),           # K % 128 != 0
+    (8, False, False, 2880, 64, 4),
 ])
-def test_decode_gemm2_stage_depth(rows, fp8, k, block_k):
+def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
     from mxmoe._details.launch import gemm_config
 
-    assert gemm_config(rows, 288, 4096, k, fp8, kernel="gluon_small", gemm1=False).block_k == block_k
-    assert gemm_config(rows, 288, 1024, 4096, fp8, kernel="gluon_small", gemm1=True).block_k == 64
+    cfg = gemm_config(rows, 288, 4096 if not gemm1 else 1024, k, fp8, kernel="gluon_small", gemm1=gemm1)
+    assert (cfg.block_k, cfg.num_stages) == (block_k, stages)

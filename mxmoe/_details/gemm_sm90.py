@@ -395,7 +395,7 @@ def _fragment_bytes_layout(BM, BK):
 @gluon.jit
 def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constexpr):
     """A stage's packed [BM, BK/2] E2M1 (shared) -> one FP8 register operand [BM, 32] of wgmma per K32 block
-    (a tuple for BK = 64), E2M1 * 2**-6 in the activations' slot order (``prepare.e4m3_slot_order``):
+    (a tuple of BK/32), E2M1 * 2**-6 in the activations' slot order (``prepare.e4m3_slot_order``):
     stored word q gives lane q's slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3."""
     NB: gl.constexpr = BK // 32
     codes = packed_s.reshape([BM, NB, 4, 4]).load(_fragment_bytes_layout(BM, BK))
@@ -405,9 +405,16 @@ def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constex
     w = gl.join(x, y).permute((0, 1, 4, 2, 3)).reshape([BM, NB, 32]).to(gl.float8e4nv, bitcast=True)
     if NB == 1:
         return (gl.convert_layout(w.reshape([BM, 32]), DOT, assert_trivial=True), )
-    else:
+    elif NB == 2:
         w0, w1 = w.permute((0, 2, 1)).split()
         return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True))
+    else:
+        gl.static_assert(NB == 4)
+        lo, hi = w.permute((0, 2, 1)).reshape([BM, 32, 2, 2]).split()  # blocks (0, 2) and (1, 3)
+        w0, w2 = lo.split()
+        w1, w3 = hi.split()
+        return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True),
+                gl.convert_layout(w2, DOT, assert_trivial=True), gl.convert_layout(w3, DOT, assert_trivial=True))
 
 
 @gluon.jit
@@ -609,12 +616,12 @@ def moe_gemm_small_kernel(
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
     activation rows); each thread reads the packed bytes of exactly its wgmma register-operand words
     (``prepare``'s block-transposed layout) and converts them in registers. W4A16: BF16 with the block
-    scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32 or 64): E2M1 * 2**-6 in
+    scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): E2M1 * 2**-6 in
     E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 121)
     into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
     SM count): a second warpgroup runs the second half of the K steps on its own ring."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
-    gl.static_assert(not FP8 or BK <= 64)
+    gl.static_assert(not FP8 or BK <= 128)
     pid_n = gl.program_id(0)
     pid_t = gl.program_id(1)
     if pid_t < gl.load(num_tiles_ptr):

@@ -117,6 +117,11 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # (T=1 on the H200: 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12)
         if gemm1 and sm_count and rows <= num_experts and (n // 64) * rows <= sm_count and k >= 512:
             cfg.update(k_split=2, maxnreg=128)
+        # W4A8: 128 K per stage where the scale words allow (4 K32 blocks: the MMA of each block but the last
+        # runs under the previous block's rescale, half the ring barriers per K): H200, T=8192 GEMM1 3.02 -> 2.76,
+        # GEMM2 1.71 -> 1.63 ms, T=1024 (3 stages) 0.63 -> 0.58, 0.34 -> 0.30 ms; docs/perf-notes.md step 13
+        if fp8 and k % 128 == 0:
+            cfg.update(block_k=128, num_stages=3 if bt <= 32 else 4)
         # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
         # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
