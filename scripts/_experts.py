@@ -1,7 +1,9 @@
-"""Random prepared experts for the device scripts (seeded: every script and run sees the same weights)."""
+"""Helpers of the device scripts: random prepared experts (seeded: every script and run sees the same
+weights) and per-GEMM config overrides."""
 import torch
 
 import mxmoe
+from mxmoe._details import launch
 
 
 def random_experts(E, H, I, lo=118, hi=122, wide=False, biases=False):
@@ -20,3 +22,20 @@ def random_experts(E, H, I, lo=118, hi=122, wide=False, biases=False):
     if biases:
         kw = dict(b13=torch.randn(E, 2 * I, generator=g, device="cuda"), b2=torch.randn(E, H, generator=g, device="cuda"))
     return mxmoe.prepare_weights(w13, s13, w2, s2, **kw)
+
+
+def per_gemm_overrides() -> dict:
+    """Route ``launch.gemm_config`` through the returned dict: while it holds ``"g1"`` and/or ``"g2"``, each
+    GEMM takes its own entry as ``config_override`` (``run_fused_moe`` applies one override to both);
+    otherwise the override passed in applies, as without this."""
+    current: dict = {}
+    default = launch.gemm_config
+
+    def gemm_config(rows, num_experts, n, k, fp8, override=None, kernel="triton", gemm1=True, sm_count=0):
+        if "g1" in current or "g2" in current:
+            override = current.get("g1" if gemm1 else "g2")
+        return default(rows, num_experts, n, k, fp8, dict(override or {}) or None, kernel=kernel, gemm1=gemm1,
+                       sm_count=sm_count)
+
+    launch.gemm_config = gemm_config
+    return current

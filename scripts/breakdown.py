@@ -13,7 +13,7 @@ import sys
 import torch
 
 import mxmoe
-from _experts import random_experts
+from _experts import per_gemm_overrides, random_experts
 from mxmoe._details import launch
 from torch.profiler import profile, ProfilerActivity
 
@@ -24,16 +24,7 @@ precs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["w4a16", "w4a8"]
 variants = json.loads(sys.argv[3]) if len(sys.argv) > 3 else [{}]
 if isinstance(variants, dict):
     variants = [variants]
-default_config = launch.gemm_config
-current: dict = {}
-
-
-def gemm_config(rows, num_experts, n, k, fp8, override=None, kernel="triton", gemm1=True, sm_count=0):
-    own = dict(current.get("g1" if gemm1 else "g2", {})) if ("g1" in current or "g2" in current) else dict(override or {})
-    return default_config(rows, num_experts, n, k, fp8, own or None, kernel=kernel, gemm1=gemm1, sm_count=sm_count)
-
-
-launch.gemm_config = gemm_config
+current = per_gemm_overrides()
 for T in Ts:
     x = torch.randn(T, H, device="cuda").bfloat16(); ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
     w = torch.rand(T, k, device="cuda"); ws = mxmoe.Workspace(ex, T, k); out = torch.empty_like(x)

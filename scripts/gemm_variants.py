@@ -14,22 +14,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mxmoe
-from _experts import random_experts
+from _experts import per_gemm_overrides, random_experts
 from mxmoe._details import launch
 from mxmoe.bench import capture_graph, cuda_event_sampler, median
 
 E, H, I, top_k = 288, 4096, 1024, 8
 experts = random_experts(E, H, I)
-default_config = launch.gemm_config
-variant: dict = {}
-
-
-def gemm_config(rows, num_experts, n, k, fp8, override=None, kernel="triton", gemm1=True, sm_count=0):
-    own = dict(variant.get("g1" if gemm1 else "g2", {}))
-    return default_config(rows, num_experts, n, k, fp8, own or None, kernel=kernel, gemm1=gemm1, sm_count=sm_count)
-
-
-launch.gemm_config = gemm_config
+variant = per_gemm_overrides()
 for T in [int(t) for t in sys.argv[1].split(",")]:
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids = torch.randint(0, E, (T, top_k), device="cuda", dtype=torch.int32)

@@ -52,6 +52,16 @@ def _block_factor(b):
 
 
 @gluon.jit
+def _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, N, NH: gl.constexpr, BM: gl.constexpr, ROWS: gl.constexpr):
+    """W4A16 accumulators times each weight row's 2**(ref - 127) (the blocks were folded relative to it)."""
+    offs_r = gl.arange(0, BM, layout=ROWS)
+    acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
+    if NH == 2:
+        acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
+    return acc_g, acc_u
+
+
+@gluon.jit
 def _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr):
     """(expert, first output row n0, first weight row, first route-pack slot) of program (pid_n, pid_t)."""
     expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
@@ -261,10 +271,7 @@ def _mma_and_epilogue(ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride
         else:
             acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
         mbarrier.arrive(consumed.index((c0 + num_k - 1) % NUM_STAGES))  # the tile's last stage
-        offs_r = gl.arange(0, BM, layout=ROWS)
-        acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
-        if NH == 2:
-            acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
+        acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, N, NH, BM, ROWS)
         _epilogue(acc_g, acc_u, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
                   expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, False, HAS_BIAS, HAS_GSCALE,
                   BM, BT, OUT_I64, MMA)
@@ -439,6 +446,12 @@ def _bf16_operand(words, f, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr
     return gl.convert_layout(w, DOT, assert_trivial=True)
 
 
+@gluon.constexpr_function
+def _small_mma_layout(BT, FP8):
+    """The small-tile kernel's accumulator layout: one warpgroup, BT routed rows as the MMA's N."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32 if FP8 else 16])
+
+
 @gluon.jit
 def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr):
@@ -461,8 +474,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     multiplied by 2**(ref - 127) per row)."""
     NB: gl.constexpr = BK // 32
     NH: gl.constexpr = 2 if GEMM1 else 1
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BT, 32 if FP8 else 16])
+    MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
@@ -629,9 +641,7 @@ def moe_gemm_small_kernel(
         NH: gl.constexpr = 2 if GEMM1 else 1
         expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH, BM, BT)
         num_k = K // BK
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BT, 32 if FP8 else 16])
-        ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+        MMA: gl.constexpr = _small_mma_layout(BT, FP8)
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
         packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
         if KSPLIT == 1:
@@ -660,10 +670,7 @@ def moe_gemm_small_kernel(
             if NH == 2:
                 acc_u = acc_u + partial.index(1).load(MMA)
         if not FP8:
-            offs_r = gl.arange(0, BM, layout=ROWS)
-            acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
-            if NH == 2:
-                acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
+            acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, N, NH, BM, gl.SliceLayout(1, MMA))
         _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                   topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
                   HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)

@@ -72,7 +72,7 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
 
 def gluon_tile_cap(fp8: bool) -> int:
     """Largest route tile of the Gluon kernels: W4A8 holds each K32 block's partial sums beside both
-    accumulators (the small-tile kernel reaches 249 registers at 64 rows), so 64 routed rows; W4A16 128."""
+    accumulators (the small-tile kernel reaches 252 registers at 64 rows), so 64 routed rows; W4A16 128."""
     return 64 if fp8 else 128
 
 
@@ -142,7 +142,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("the warp-specialized Gluon kernel is W4A16 (W4A8 runs the small-tile kernel)")
         if k % 64 or n % 64:
             raise ValueError("the Gluon kernel needs N and K multiples of 64")
-        bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
+        bt = tile_rows_for(rows, num_experts)
         if bt >= 64:
             # two MMA warpgroups on 128 weight rows (per half): half the activation traffic of 64-row
             # tiles (docs/perf-notes.md step 8)
