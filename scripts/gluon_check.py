@@ -3,6 +3,7 @@
     GLUON=auto python3 scripts/gluon_check.py check      # the default selection (MXMOE_KERNEL=auto)
     GLUON=gluon_small python3 scripts/gluon_check.py check
     GLUON_JSON='{"w4a8": {...}, "w4a16": {...}}' python3 scripts/gluon_check.py check   # config overrides
+    GLUON_JSON='{"w4a16": {"g2": {...}}, ...}' ...                                      # per GEMM ("g1", "g2")
     python3 scripts/gluon_check.py time '[{"kernel": "gluon_small"}]'
 
 ``check``: 32 cases (three shapes with the K % 128 != 0 one, T from 1 to 8192, masked routes and
@@ -13,7 +14,7 @@ variants. Writes $OUT/ws_<stage>.json; prints a summary last."""
 import os, sys, time, json
 import torch
 import mxmoe
-from _experts import random_experts
+from _experts import per_gemm_overrides, random_experts
 from mxmoe._details import launch
 from mxmoe.bench import cuda_event_sampler, median
 
@@ -22,12 +23,19 @@ torch.manual_seed(0)
 def experts(E, H, I, wide=False):
     return random_experts(E, H, I, wide=wide, biases=True)
 
+PER_GEMM = per_gemm_overrides()
+
 def run(kernel, x, ex, w, ids, prec, ws, act="silu"):
     out = torch.full_like(x, float("nan"))
     over = {} if kernel == "auto" else {"kernel": kernel}
     if kernel != "triton" and os.environ.get("GLUON_JSON"):
         over = json.loads(os.environ["GLUON_JSON"])[prec]
+    PER_GEMM.clear()
+    if "g1" in over or "g2" in over:
+        PER_GEMM.update(over)
+        over = {}
     launch.run_fused_moe(x, ex, w, ids, act, float("inf") if act == "silu" else 7.0, 1.702, None, prec, out, ws, over)
+    PER_GEMM.clear()
     return out
 
 def rel(a, b):

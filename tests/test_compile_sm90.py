@@ -3,8 +3,8 @@ serialized wgmma pipeline.
 
 Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill (plain
 template), prefill for the warp-specialized Gluon kernel (W4A16) and decode, small batches and prefill
-for the small-tile Gluon kernel, with both scale-load forms and the decode K split (``MXMOE_KERNEL=auto``
-picks the Gluon kernels there). The
+for the small-tile Gluon kernel, with both scale-load forms, the decode K split and GEMM2's two-block form
+(``MXMOE_KERNEL=auto`` picks the Gluon kernels there). The
 compile runs in a subprocess without TRITON_INTERPRET (which the CPU test session sets, and
 which makes the kernels interpreter objects at import).
 """
@@ -33,6 +33,7 @@ def test_every_config_compiled(reports):
     assert {r["config"]["block_rows"] for r in small} == {16, 64, 128}
     assert {r["config"]["scale_words"] for r in small} == {True, False}
     assert {r["config"]["k_split"] for r in small} == {1, 2}
+    assert {r["config"]["pair"] for r in small} == {True, False}
 
 
 @pytest.mark.parametrize("index", range(30))

@@ -115,10 +115,12 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped):
     if mapped:  # 10 global experts, 3 of them not here
         emap = torch.tensor([0, -1, 1, 2, 3, -1, 4, 5, 6, -1], dtype=torch.int32)
     ids = torch.randint(-1, (E if emap is None else 10) + 1, (T, top_k), generator=g, dtype=torch.int32)
-    ids[:10, 0] = 2  # hot expert
+    ids[:36, 0] = 2  # hot expert: several tiles
     ws = Workspace(ex, T, top_k)
     ws.sorted_routes.fill_(7)  # stale contents from an earlier call must not leak
     ws.counts.fill_(3)
+    ws.tile_expert.fill_(5)
+    ws.tile_start.fill_(9)
     pack = ws.route_pack(ids, emap, block_rows, E)
     ref = mxmoe.route_pack(ids, E, block_rows, expert_map=emap)
     assert torch.equal(pack.expert_counts, ref.expert_counts)

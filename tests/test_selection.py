@@ -108,19 +108,21 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
     assert kernel_choice(torch.device("cpu"), rows=65536, num_experts=8) == "triton"
 
 
-@pytest.mark.parametrize("env,version,fp8,rows,expected", [
-    ("auto", "3.6.0", False, 8, ("gluon_small", "gluon_small")),          # W4A16 decode: the small-tile kernel
-    ("auto", "3.6.0", False, 288 * 64, ("gluon_small", "gluon_small")),   # 64 rows per expert: small tiles
-    ("auto", "3.6.0", False, 288 * 200, ("gluon_small", "gluon")),        # prefill: GEMM2 warp-specialized
-    ("auto", "3.6.0", True, 8, ("gluon_small", "gluon_small")),           # W4A8: the small-tile kernel always
-    ("auto", "3.6.0", True, 288 * 200, ("gluon_small", "gluon_small")),
-    ("auto", "3.7.0", False, 8, ("triton", "triton")),                    # not validated on this Triton
-    ("gluon", "3.7.0", False, 288 * 200, ("gluon_small", "gluon")),       # forced
-    ("gluon", "3.6.0", True, 8, ("gluon_small", "gluon_small")),
-    ("triton", "3.6.0", False, 288 * 200, ("triton", "triton")),
+@pytest.mark.parametrize("env,version,fp8,rows,n,expected", [
+    ("auto", "3.6.0", False, 8, 4096, ("gluon_small", "gluon_small")),          # W4A16 decode: the small-tile kernel
+    ("auto", "3.6.0", False, 288 * 64, 4096, ("gluon_small", "gluon_small")),   # 64 rows per expert: small tiles
+    ("auto", "3.6.0", False, 288 * 200, 4096, ("gluon_small", "gluon_small")),  # prefill: GEMM2 in two-block form
+    ("auto", "3.6.0", False, 288 * 200, 2880, ("gluon_small", "gluon")),        # ... which N % 128 != 0 rules out
+    ("auto", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),           # W4A8: the small-tile kernel always
+    ("auto", "3.6.0", True, 288 * 200, 2880, ("gluon_small", "gluon_small")),
+    ("auto", "3.7.0", False, 8, 4096, ("triton", "triton")),                    # not validated on this Triton
+    ("gluon", "3.7.0", False, 288 * 200, 2880, ("gluon_small", "gluon")),       # forced
+    ("gluon", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),
+    ("triton", "3.6.0", False, 288 * 200, 2880, ("triton", "triton")),
 ])
-def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, expected):
-    """The choice on an sm90 device (capability, Gluon availability and Triton version stubbed: no GPU needed)."""
+def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expected):
+    """The choice on an sm90 device (capability, Gluon availability and Triton version stubbed: no GPU needed);
+    ``n`` is GEMM2's N (the hidden size), GEMM1's is 1024."""
     import torch
 
     from mxmoe._details import launch
@@ -131,13 +133,34 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, expected)
     monkeypatch.setattr(launch.triton, "__version__", version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for gemm1, kernel in zip((True, False), expected):
-        assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, gemm1=gemm1) == kernel
+        gemm_n = 1024 if gemm1 else n
+        assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, gemm1=gemm1,
+                                    n=gemm_n) == kernel
         assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False,
-                                    gemm1=gemm1) == "triton"
+                                    gemm1=gemm1, n=gemm_n) == "triton"
     # both GEMMs read one route pack: their configs agree on its tile height
-    cfgs = [launch.gemm_config(rows, 288, n, k, fp8, kernel=kernel, gemm1=g1)
-            for (n, k, g1), kernel in zip(((1024, 4096, True), (4096, 1024, False)), expected)]
+    cfgs = [launch.gemm_config(rows, 288, gn, k, fp8, kernel=kernel, gemm1=g1)
+            for (gn, k, g1), kernel in zip(((1024, 4096, True), (n, 1024, False)), expected)]
     assert cfgs[0].block_rows == cfgs[1].block_rows
+
+
+@pytest.mark.parametrize("rows,fp8,gemm1,n,pair", [
+    (288 * 32, False, False, 4096, True),    # W4A16 GEMM2 from 32-row tiles
+    (288 * 200, False, False, 4096, True),
+    (288 * 16, False, False, 4096, False),   # 16-row tiles: measured slower
+    (288 * 200, True, False, 4096, False),   # W4A8: measured slower
+    (288 * 200, False, False, 2880, False),  # N % 128 != 0
+    (288 * 200, False, True, 1024, False),   # GEMM1 has its gate and up halves already
+])
+def test_gemm2_two_block_form(rows, fp8, gemm1, n, pair):
+    from mxmoe._details.launch import gemm_config
+
+    assert gemm_config(rows, 288, n, 1024, fp8, kernel="gluon_small", gemm1=gemm1).pair is pair
+    if gemm1 or n % 128:
+        with pytest.raises(ValueError, match="pair"):
+            gemm_config(rows, 288, n, 1024, fp8, {"pair": True}, kernel="gluon_small", gemm1=gemm1)
+    else:  # an override wins
+        assert gemm_config(rows, 288, n, 1024, fp8, {"pair": not pair}, kernel="gluon_small", gemm1=gemm1).pair is not pair
 
 
 @pytest.mark.parametrize("rows,n,k,gemm1,sm_count,split", [

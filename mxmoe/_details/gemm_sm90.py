@@ -466,14 +466,14 @@ def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: g
 
 
 @gluon.jit
-def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0, N, K,
-                 top_k, first_step, num_steps, GEMM1: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr,
-                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr):
+def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
+                 half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
+                 BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 SCALE_WORDS: gl.constexpr):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
-    (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of both halves (W4A16: still to be
-    multiplied by 2**(ref - 127) per row)."""
+    (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
+    start ``half_rows`` apart (W4A16: still to be multiplied by 2**(ref - 127) per row)."""
     NB: gl.constexpr = BK // 32
-    NH: gl.constexpr = 2 if GEMM1 else 1
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
@@ -486,15 +486,15 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
     s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
-    up_scales = N * (K // 32)
+    up_scales = half_rows * (K // 32)
     ref_g = gl.load(ref_ptr + w_row0 + sm)[:, None]
     ref_u = ref_g
     if NH == 2:
-        ref_u = gl.load(ref_ptr + w_row0 + N + sm)[:, None]
+        ref_u = gl.load(ref_ptr + w_row0 + half_rows + sm)[:, None]
 
     for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
         if j < num_steps:
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, j, first_step + j, NH, BK)
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -506,7 +506,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
     w_rows = (s_ptr + (w_row0 + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
     w_rows += first_step // G
-    up_words = N * (K // 128)
+    up_words = half_rows * (K // 128)
     sc_g = gl.zeros([BM, NB], gl.int32, SC)
     sc_u = sc_g
     nxt_wg = gl.zeros([BM], gl.int32, gl.SliceLayout(1, SC))
@@ -542,7 +542,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                 # refill the slot the previous step read (its MMA has completed: each step waits for it)
                 nxt = i + NUM_STAGES - 1
                 if nxt < num_steps:
-                    _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, nxt % NUM_STAGES,
+                    _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
                                  first_step + nxt, NH, BK)
                 if SCALE_WORDS:
                     shift = (8 * (g * NB + sb))[None, :]
@@ -598,16 +598,16 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
 
 @gluon.jit
 def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
-                           N, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr, FP8: gl.constexpr,
-                           BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                           SCALE_WORDS: gl.constexpr):
+                           half_rows, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr,
+                           NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr):
     """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
     (shared), then one arrive on ``done``."""
     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
-                                slot0, N, K, top_k, first_step, num_steps, GEMM1, FP8, BM, BT, BK, NUM_STAGES,
+                                slot0, half_rows, K, top_k, first_step, num_steps, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
                                 SCALE_WORDS)
     partial.index(0).store(acc_g)
-    if GEMM1:
+    if NH == 2:
         partial.index(1).store(acc_u)
     mbarrier.arrive(done)
 
@@ -623,6 +623,7 @@ def moe_gemm_small_kernel(
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
+    PAIR: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -631,23 +632,29 @@ def moe_gemm_small_kernel(
     scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): E2M1 * 2**-6 in
     E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 121)
     into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
-    SM count): a second warpgroup runs the second half of the K steps on its own ring."""
+    SM count): a second warpgroup runs the second half of the K steps on its own ring. ``PAIR`` (GEMM2): a
+    program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
+    wgmma each per step), so one block's conversion runs while the other's MMA does."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
+    gl.static_assert(not (PAIR and GEMM1))
     pid_n = gl.program_id(0)
     pid_t = gl.program_id(1)
     if pid_t < gl.load(num_tiles_ptr):
         NB: gl.constexpr = BK // 32
-        NH: gl.constexpr = 2 if GEMM1 else 1
-        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH, BM, BT)
+        NH: gl.constexpr = 2 if GEMM1 or PAIR else 1
+        # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
+        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, 2 if GEMM1 else 1,
+                                                 2 * BM if PAIR else BM, BT)
+        half_rows = N if GEMM1 else BM
         num_k = K // BK
         MMA: gl.constexpr = _small_mma_layout(BT, FP8)
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
         packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
         if KSPLIT == 1:
             acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                                        w_row0, slot0, N, K, top_k, 0, num_k, GEMM1, FP8, BM, BT, BK, NUM_STAGES,
-                                        SCALE_WORDS)
+                                        w_row0, slot0, half_rows, K, top_k, 0, num_k, GEMM1, NH, FP8, BM, BT, BK,
+                                        NUM_STAGES, SCALE_WORDS)
         else:
             # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
             # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
@@ -660,17 +667,21 @@ def moe_gemm_small_kernel(
             half = (num_k // (2 * G)) * G
             acc_g, acc_u = gl.warp_specialize([
                 (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
-                                slot0, N, K, top_k, 0, half, GEMM1, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS)),
+                                slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS)),
                 (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
-                                          w_row0, slot0, N, K, top_k, half, num_k - half, partial, done, GEMM1, FP8, BM,
-                                          BT, BK, NUM_STAGES, SCALE_WORDS)),
+                                          w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial, done, GEMM1,
+                                          NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS)),
             ], [4], [SPLIT_WORKER_REGS])
             mbarrier.wait(done, 0)
             acc_g = acc_g + partial.index(0).load(MMA)
             if NH == 2:
                 acc_u = acc_u + partial.index(1).load(MMA)
         if not FP8:
-            acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, N, NH, BM, gl.SliceLayout(1, MMA))
+            acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM, gl.SliceLayout(1, MMA))
         _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                   topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
                   HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)
+        if PAIR:  # the second block's rows
+            _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                      topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
+                      FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)

@@ -38,21 +38,23 @@ class GemmConfig:
     converter_regs: int = 112
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
+    pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
-                  shapes_ok: bool = True, gemm1: bool = True) -> str:
+                  shapes_ok: bool = True, gemm1: bool = True, n: int = 0) -> str:
     """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of GEMM1 (``gemm1``) or
-    GEMM2 on CUDA.
+    GEMM2 (``n`` output columns) on CUDA.
 
     ``auto`` runs Gluon kernels on sm90 where they measured fastest on the H200 (docs/perf-notes.md,
-    steps 10 and 11): the one-warpgroup register-operand ``gemm_sm90.moe_gemm_small_kernel`` for every
-    W4A8 GEMM and for W4A16 GEMM1, and for W4A16 GEMM2 on 128-row route tiles (prefill) the persistent
-    warp-specialized ``gemm_sm90.moe_gemm_ws_kernel``; the plain template for shapes the Gluon kernels do
-    not take (``shapes_ok``). Gluon is experimental and its API moves between Triton releases, so
-    ``auto`` takes it only on the Triton it was validated on (``GLUON_VALIDATED_TRITON``);
-    ``MXMOE_KERNEL=gluon`` forces the same Gluon kernels on any. The interpreter and CPU always run the
-    plain template. Returns ``"triton"``, ``"gluon"`` (warp-specialized) or ``"gluon_small"``.
+    steps 10, 11 and 14): the one-warpgroup register-operand ``gemm_sm90.moe_gemm_small_kernel`` for every
+    GEMM, except W4A16 GEMM2 on 128-row route tiles (prefill) where its two-block form cannot run
+    (``n % 128 != 0``): there the persistent warp-specialized ``gemm_sm90.moe_gemm_ws_kernel``; the plain
+    template for shapes the Gluon kernels do not take (``shapes_ok``). Gluon is experimental and its API
+    moves between Triton releases, so ``auto`` takes it only on the Triton it was validated on
+    (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon`` forces the same Gluon kernels on any. The
+    interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon"``
+    (warp-specialized) or ``"gluon_small"``.
     """
     choice = os.environ.get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
@@ -60,7 +62,7 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
-    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1]
+    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and n % 128 != 0
     gluon = "gluon" if prefill_gemm2 else "gluon_small"
     if choice == "gluon":
         if not hopper:
@@ -111,7 +113,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
         bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
-                   k_split=1)
+                   k_split=1, pair=False)
         # decode GEMM1 whose programs (at most one route tile per routed row) fit on the SMs at once: one
         # warpgroup per SM issues too few instructions per cycle, so a second one takes half of the K steps
         # (T=1 on the H200: 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12)
@@ -126,6 +128,11 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
             cfg.update(block_k=128)
+        # W4A16 GEMM2 from 32-row tiles: two 64-row blocks per program, one converting while the other's MMA
+        # runs (H200, GEMM2 at T=1024 0.386 -> 0.361, T=2048 0.531 -> 0.490, T=4096 0.913 -> 0.781, T=8192
+        # 1.689 -> 1.455 ms against the kernels before; slower on 16-row tiles and for W4A8; perf-notes step 14)
+        if not (fp8 or gemm1) and bt >= 32 and n % 128 == 0:
+            cfg.update(pair=True)
         cfg.update(override)
         if k % cfg["block_k"]:
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
@@ -133,6 +140,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
         if cfg["k_split"] not in (1, 2):
             raise ValueError("k_split must be 1 or 2")
+        if cfg["pair"] and (gemm1 or n % (2 * cfg["block_m"])):
+            raise ValueError("pair is for GEMM2 with N a multiple of 2 * block_m")
         group = 128 // cfg["block_k"] if cfg["scale_words"] else 1  # K steps per scale word
         if (k // cfg["block_k"]) // (cfg["k_split"] * group) < 1:
             raise ValueError(f"k_split={cfg['k_split']} needs at least {cfg['k_split'] * group} K steps, K={k} has fewer")
@@ -229,7 +238,7 @@ class Workspace:
             route_pack_small_kernel[(1,)](topk_ids, emap, self.counts, self.offsets, self.tile_expert, self.tile_start,
                                           self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
                                           max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
-                                          BLOCK=ROUTE_BLOCK, E_BLOCK=e_block, T_BLOCK=64, num_warps=4)
+                                          BLOCK=ROUTE_BLOCK, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4)
         else:
             self.counts.zero_()
             sorted_routes.fill_(-1)
@@ -237,7 +246,7 @@ class Workspace:
             route_count_kernel[grid](topk_ids, emap, self.counts, self.route_expert, self.route_rank, R, num_experts,
                                      n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK)
             route_offsets_kernel[(1,)](self.counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
-                                       num_experts, max_tiles, BT=block_rows, E_BLOCK=e_block, T_BLOCK=64)
+                                       num_experts, max_tiles, BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK)
             route_scatter_kernel[grid](self.route_expert, self.route_rank, self.offsets, self.route_slot, sorted_routes,
                                        R, BLOCK=ROUTE_BLOCK)
         return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
@@ -270,7 +279,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig):
-    grid = (n // cfg.block_m, pack.tile_expert.numel())
+    grid = (n // (cfg.block_m * (2 if cfg.pair else 1)), pack.tile_expert.numel())
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
@@ -281,7 +290,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
-            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split)
+            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     kernel[grid](
@@ -324,7 +333,7 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     sms = _sm_count(x.device) if x.device.type == "cuda" else 0
     cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=True),
                        gemm1=True, sm_count=sms)
-    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False),
+    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False, n=H),
                        gemm1=False)
     assert cfg1.block_rows == cfg2.block_rows, "both GEMMs read one route pack"
     pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
