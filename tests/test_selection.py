@@ -148,7 +148,10 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
     (288 * 32, False, False, 4096, True),    # W4A16 GEMM2 from 32-row tiles
     (288 * 200, False, False, 4096, True),
     (288 * 16, False, False, 4096, False),   # 16-row tiles: measured slower
-    (288 * 200, True, False, 4096, False),   # W4A8: measured slower
+    (288 * 200, True, False, 4096, False),   # W4A8 from 32-row tiles: measured slower
+    (288 * 32, True, False, 4096, False),
+    (288 * 16, True, False, 4096, True),     # W4A8 on 16-row tiles
+    (8, True, False, 4096, True),
     (288 * 200, False, False, 2880, False),  # N % 128 != 0
     (288 * 200, False, True, 1024, False),   # GEMM1 has its gate and up halves already
 ])
@@ -157,7 +160,7 @@ def test_gemm2_two_block_form(rows, fp8, gemm1, n, pair):
 
     assert gemm_config(rows, 288, n, 1024, fp8, kernel="gluon_small", gemm1=gemm1).pair is pair
     if gemm1 or n % 128:
-        with pytest.raises(ValueError, match="pair"):
+        with pytest.raises(ValueError, match="pair|rows per program"):
             gemm_config(rows, 288, n, 1024, fp8, {"pair": True}, kernel="gluon_small", gemm1=gemm1)
     else:  # an override wins
         assert gemm_config(rows, 288, n, 1024, fp8, {"pair": not pair}, kernel="gluon_small", gemm1=gemm1).pair is not pair
@@ -203,3 +206,16 @@ def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
 
     cfg = gemm_config(rows, 288, 4096 if not gemm1 else 1024, k, fp8, kernel="gluon_small", gemm1=gemm1)
     assert (cfg.block_k, cfg.num_stages) == (block_k, stages)
+
+
+@pytest.mark.parametrize("override,n,match", [
+    ({"block_m": 128}, 4096, "block_m=64"),
+    ({"num_warps": 8}, 4096, "num_warps=4"),
+    ({"pair": True}, 2880, "rows per program"),  # a pair of 64-row blocks needs N % 128 == 0
+])
+def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
+    """A config the kernel would run wrong (rows left out of the grid) or not at all is an error up front."""
+    from mxmoe._details.launch import gemm_config
+
+    with pytest.raises(ValueError, match=match):
+        gemm_config(288 * 64, 288, n, 1024, False, override, kernel="gluon_small", gemm1=False)

@@ -128,10 +128,11 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
             cfg.update(block_k=128)
-        # W4A16 GEMM2 from 32-row tiles: two 64-row blocks per program, one converting while the other's MMA
-        # runs (H200, GEMM2 at T=1024 0.386 -> 0.361, T=2048 0.531 -> 0.490, T=4096 0.913 -> 0.781, T=8192
-        # 1.689 -> 1.455 ms against the kernels before; slower on 16-row tiles and for W4A8; perf-notes step 14)
-        if not (fp8 or gemm1) and bt >= 32 and n % 128 == 0:
+        # GEMM2 with two 64-row blocks per program, one converting while the other's MMA runs, where it measured
+        # faster (H200, perf-notes step 14): W4A16 from 32-row tiles (GEMM2 T=1024 0.386 -> 0.361, T=8192
+        # 1.689 -> 1.455 ms against the kernels before; slower on 16-row tiles), W4A8 on 16-row tiles (T=64
+        # 0.170 -> 0.159 ms; from 32 rows its registers cost programs per SM: slower)
+        if not gemm1 and n % 128 == 0 and (bt == 16 if fp8 else bt >= 32):
             cfg.update(pair=True)
         cfg.update(override)
         if k % cfg["block_k"]:
@@ -140,8 +141,13 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
         if cfg["k_split"] not in (1, 2):
             raise ValueError("k_split must be 1 or 2")
-        if cfg["pair"] and (gemm1 or n % (2 * cfg["block_m"])):
-            raise ValueError("pair is for GEMM2 with N a multiple of 2 * block_m")
+        if cfg["block_m"] != 64 or cfg["num_warps"] != 4:
+            raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
+        if cfg["pair"] and gemm1:
+            raise ValueError("pair is for GEMM2")
+        if n % (cfg["block_m"] * (2 if cfg["pair"] else 1)):
+            raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
+                             f"(block_m, twice that with pair)")
         group = 128 // cfg["block_k"] if cfg["scale_words"] else 1  # K steps per scale word
         if (k // cfg["block_k"]) // (cfg["k_split"] * group) < 1:
             raise ValueError(f"k_split={cfg['k_split']} needs at least {cfg['k_split'] * group} K steps, K={k} has fewer")
