@@ -147,10 +147,10 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
 @pytest.mark.parametrize("rows,fp8,gemm1,n,pair", [
     (288 * 32, False, False, 4096, True),    # W4A16 GEMM2 from 32-row tiles
     (288 * 200, False, False, 4096, True),
-    (288 * 16, False, False, 4096, False),   # 16-row tiles: measured slower
+    (288 * 12, False, False, 4096, False),   # 16-row tiles: measured slower
     (288 * 200, True, False, 4096, False),   # W4A8 from 32-row tiles: measured slower
     (288 * 32, True, False, 4096, False),
-    (288 * 16, True, False, 4096, True),     # W4A8 on 16-row tiles
+    (288 * 12, True, False, 4096, True),     # W4A8 on 16-row tiles
     (8, True, False, 4096, True),
     (288 * 200, False, False, 2880, False),  # N % 128 != 0
     (288 * 200, False, True, 1024, False),   # GEMM1 has its gate and up halves already
@@ -192,7 +192,7 @@ def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
 
 @pytest.mark.parametrize("rows,fp8,gemm1,k,block_k,stages", [
     (8, False, False, 1024, 128, 4),        # decode W4A16 GEMM2: 16-row tiles, 128-K stages
-    (288 * 16, False, False, 1024, 128, 4),
+    (288 * 12, False, False, 1024, 128, 4),
     (288 * 32, False, False, 1024, 64, 4),  # 32-row tiles: 64
     (8, False, True, 4096, 64, 4),          # W4A16 GEMM1: 64
     (8, True, False, 1024, 128, 3),         # W4A8: 128-K stages (4 K32 blocks), 3 of them up to 32-row tiles
@@ -219,3 +219,17 @@ def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
 
     with pytest.raises(ValueError, match=match):
         gemm_config(288 * 64, 288, n, 1024, False, override, kernel="gluon_small", gemm1=False)
+
+
+@pytest.mark.parametrize("per_expert,small,plain", [(1, 16, 16), (12, 16, 16), (12.5, 32, 16), (16, 32, 16),
+                                                    (17, 32, 32), (32, 32, 32), (33, 64, 64), (200, 128, 128)])
+def test_route_tile_height(per_expert, small, plain):
+    """The small-tile Gluon kernel leaves 16-row tiles at 12 rows per expert on average (measured), the plain
+    template at 16; both take the smallest tile above the average from 32 rows on."""
+    from mxmoe._details.launch import gemm_config, tile_rows_for
+
+    rows = int(per_expert * 288)
+    assert tile_rows_for(rows, 288) == plain
+    for fp8 in (False, True):
+        cfg = gemm_config(rows, 288, 1024, 4096, fp8, kernel="gluon_small", gemm1=True)
+        assert cfg.block_rows == min(small, 64 if fp8 else 128)

@@ -95,11 +95,12 @@ def _gluon_kernel(name: str = "gluon"):
     return moe_gemm_small_kernel if name == "gluon_small" else moe_gemm_ws_kernel
 
 
-def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1]) -> int:
-    """Route-pack tile height for ``rows`` routed rows: small tiles where experts see few rows."""
+def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_fill: float = 1.0) -> int:
+    """Route-pack tile height for ``rows`` routed rows: small tiles where experts see few rows, the smallest
+    only while experts average at most ``first_fill`` of it."""
     per_expert = rows / max(num_experts, 1)
     for bt in TILE_ROWS:
-        if per_expert <= bt or bt >= cap:
+        if per_expert <= bt * (first_fill if bt == TILE_ROWS[0] else 1) or bt >= cap:
             return bt
     return TILE_ROWS[-1]
 
@@ -111,7 +112,11 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
     if kernel == "gluon_small":
         if k % 64 or n % 64:
             raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
-        bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8))
+        # 16-row tiles up to 12 rows per expert on average: above, the experts past 16 rows (a Poisson spread)
+        # take a second tile, converting their weights twice; 32-row tiles measured faster from there (H200,
+        # reference shape: T=512 W4A16 0.957 -> 0.893, W4A8 0.817 -> 0.803 ms; T=576 1.080 -> 0.902, 0.862 ->
+        # 0.812; equal at 12.4 rows, slower below; docs/perf-notes.md step 14)
+        bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8), first_fill=0.75)
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                    k_split=1, pair=False)
         # decode GEMM1 whose programs (at most one route tile per routed row) fit on the SMs at once: one
