@@ -1,6 +1,7 @@
 """Helpers of the device scripts: random prepared experts (seeded: every script and run sees the same
 weights) and per-GEMM config overrides."""
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import mxmoe
 from mxmoe._details import launch
@@ -24,18 +25,37 @@ def random_experts(E, H, I, lo=118, hi=122, wide=False, biases=False):
     return mxmoe.prepare_weights(w13, s13, w2, s2, **kw)
 
 
-def per_gemm_overrides() -> dict:
-    """Route ``launch.gemm_config`` through the returned dict: while it holds ``"g1"`` and/or ``"g2"``, each
-    GEMM takes its own entry as ``config_override`` (``run_fused_moe`` applies one override to both);
-    otherwise the override passed in applies, as without this."""
+def per_gemm_overrides():
+    """Route ``launch.gemm_config`` through per-GEMM overrides; returns ``select(variant)``, which takes a
+    variant (flat: one ``config_override`` for both GEMMs, as ``run_fused_moe`` applies it; or ``{"g1":
+    {...}, "g2": {...}}``: each GEMM its own, on top of what ``gemm_config`` picks) and returns the
+    ``config_override`` to pass to ``run_fused_moe``."""
     current: dict = {}
     default = launch.gemm_config
 
     def gemm_config(rows, num_experts, n, k, fp8, override=None, kernel="triton", gemm1=True, sm_count=0):
-        if "g1" in current or "g2" in current:
+        if current:
             override = current.get("g1" if gemm1 else "g2")
         return default(rows, num_experts, n, k, fp8, dict(override or {}) or None, kernel=kernel, gemm1=gemm1,
                        sm_count=sm_count)
 
+    def select(variant):
+        current.clear()
+        if "g1" in variant or "g2" in variant:
+            current.update(variant)
+            return {}
+        return dict(variant)
+
     launch.gemm_config = gemm_config
-    return current
+    return select
+
+
+def kernel_times(fn, calls=5):
+    """Device time of each kernel ``fn`` launches, in launch order: torch profiler, median of ``calls`` calls (us)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    n = len(events) // calls
+    return [(events[j].name, sorted(events[i * n + j].device_time for i in range(calls))[calls // 2]) for j in range(n)]

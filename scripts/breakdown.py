@@ -13,9 +13,8 @@ import sys
 import torch
 
 import mxmoe
-from _experts import per_gemm_overrides, random_experts
+from _experts import kernel_times, per_gemm_overrides, random_experts
 from mxmoe._details import launch
-from torch.profiler import profile, ProfilerActivity
 
 E, H, I, k = 288, 4096, 1024, 8
 ex = random_experts(E, H, I)
@@ -24,15 +23,14 @@ precs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["w4a16", "w4a8"]
 variants = json.loads(sys.argv[3]) if len(sys.argv) > 3 else [{}]
 if isinstance(variants, dict):
     variants = [variants]
-current = per_gemm_overrides()
+select = per_gemm_overrides()
 for T in Ts:
     x = torch.randn(T, H, device="cuda").bfloat16(); ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
     w = torch.rand(T, k, device="cuda"); ws = mxmoe.Workspace(ex, T, k); out = torch.empty_like(x)
     for prec in precs:
         first = None
         for v in variants:
-            current.clear(); current.update(v)
-            flat = {} if ("g1" in v or "g2" in v) else dict(v)
+            flat = select(v)
             fn = lambda: launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, dict(flat))
             out.fill_(float("nan"))
             for _ in range(3): fn()
@@ -41,15 +39,7 @@ for T in Ts:
             if first is None:
                 first = res
             diff = ((res.float() - first.float()).norm() / first.float().norm()).item()
-            with profile(activities=[ProfilerActivity.CUDA]) as p:
-                for _ in range(5): fn()
-                torch.cuda.synchronize()
-            evs = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            n = len(evs) // 5
-            rows = []
-            for j in range(n):
-                d = sorted(evs[i * n + j].device_time for i in range(5))[2]
-                rows.append((evs[j].name[:28], d))
+            rows = [(nm[:28], d) for nm, d in kernel_times(fn)]
             tot = sum(d for _, d in rows)
             gemms = [d for nm, d in rows if "gemm" in nm]
             print(f"T={T} {prec} {json.dumps(v)}: total {tot/1000:.3f} ms gemms " + " ".join(f"{d/1000:.3f}" for d in gemms)

@@ -11,37 +11,29 @@ import json
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import mxmoe
-from _experts import per_gemm_overrides, random_experts
+from _experts import kernel_times, per_gemm_overrides, random_experts
 from mxmoe._details import launch
 from mxmoe.bench import capture_graph, cuda_event_sampler, median
 
 E, H, I, top_k = 288, 4096, 1024, 8
 experts = random_experts(E, H, I)
-variant = per_gemm_overrides()
+select = per_gemm_overrides()
 for T in [int(t) for t in sys.argv[1].split(",")]:
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids = torch.randint(0, E, (T, top_k), device="cuda", dtype=torch.int32)
     w = torch.rand(T, top_k, device="cuda")
     ws, out, first = mxmoe.Workspace(experts, T, top_k), torch.empty_like(x), None
     for v in json.loads(sys.argv[2]):
-        variant.clear()
-        variant.update(v)
-        fn = lambda: launch.run_fused_moe(x, experts, w, ids, "silu", float("inf"), 1.0, None, "w4a16", out, ws, None)
+        flat = select(v)
+        fn = lambda: launch.run_fused_moe(x, experts, w, ids, "silu", float("inf"), 1.0, None, "w4a16", out, ws, flat)
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
         first = out.clone() if first is None else first
         rel = ((out.float() - first.float()).norm() / first.float().norm()).item()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        n = len(events) // 5
-        kernels = [sorted(events[i * n + j].device_time for i in range(5))[2] for j in range(n)]
+        kernels = [d for _, d in kernel_times(fn)]
         graph = capture_graph(fn)
         replay_ms = median(cuda_event_sampler(graph.replay, 60))
         print(f"T={T} {json.dumps(v)}: graph {replay_ms * 1000:.1f} us  kernels "

@@ -54,18 +54,20 @@ def _block_factor(b):
 
 
 @gluon.jit
-def _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, N, NH: gl.constexpr, BM: gl.constexpr, ROWS: gl.constexpr):
-    """W4A16 accumulators times each weight row's 2**(ref - 127) (the blocks were folded relative to it)."""
+def _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH: gl.constexpr, BM: gl.constexpr, ROWS: gl.constexpr):
+    """W4A16 accumulators times each weight row's 2**(ref - 127) (the blocks were folded relative to it);
+    the second half's rows start ``half_rows`` after the first's."""
     offs_r = gl.arange(0, BM, layout=ROWS)
     acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
     if NH == 2:
-        acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + N + offs_r) - 127)[:, None]
+        acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + half_rows + offs_r) - 127)[:, None]
     return acc_g, acc_u
 
 
 @gluon.jit
 def _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr):
-    """(expert, first output row n0, first weight row, first route-pack slot) of program (pid_n, pid_t)."""
+    """(expert, first output row n0, first weight row, first route-pack slot) of program (pid_n, pid_t), whose
+    BM output rows are the pid_n-th of an expert's N (``NH`` * N weight rows per expert)."""
     expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
     n0 = pid_n * BM
     return expert, n0, expert * (NH * N) + n0, pid_t * BT
@@ -99,12 +101,14 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
 
 
 @gluon.jit
-def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, slot, step, NH: gl.constexpr, BK: gl.constexpr):
+def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, slot, step, NH: gl.constexpr,
+                 BK: gl.constexpr):
     """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
-    of each half and the gathered activation rows; every calling thread then arrives on the slot's ``loaded``
-    barrier once its own copies have landed (count = the calling threads)."""
+    of each half (``half_rows`` apart) and the gathered activation rows; every calling thread then arrives on
+    the slot's ``loaded`` barrier once its own copies have landed (count = the calling threads)."""
     for h in gl.static_range(NH):
-        async_copy.async_copy_global_to_shared(packed.index(slot * NH + h), w_ptrs + h * N * row_bytes + step * (BK // 2))
+        async_copy.async_copy_global_to_shared(packed.index(slot * NH + h),
+                                               w_ptrs + h * half_rows * row_bytes + step * (BK // 2))
     async_copy.async_copy_global_to_shared(act.index(slot), a_ptrs + step * BK, mask=ok[:, None])
     async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
 

@@ -62,7 +62,7 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
-    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and n % 128 != 0
+    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and not gemm2_pair_fits(n)
     gluon = "gluon" if prefill_gemm2 else "gluon_small"
     if choice == "gluon":
         if not hopper:
@@ -70,6 +70,11 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
         return gluon if shapes_ok else "triton"
     validated = gluon_validated(triton.__version__)
     return gluon if hopper and validated and shapes_ok else "triton"
+
+
+def gemm2_pair_fits(n: int) -> bool:
+    """Whether GEMM2's N divides into the small-tile kernel's pairs of 64-row weight blocks (``pair``)."""
+    return n % 128 == 0
 
 
 def gluon_tile_cap(fp8: bool) -> int:
@@ -137,7 +142,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # faster (H200, perf-notes step 14): W4A16 from 32-row tiles (GEMM2 T=1024 0.386 -> 0.361, T=8192
         # 1.689 -> 1.455 ms against the kernels before; slower on 16-row tiles), W4A8 on 16-row tiles (T=64
         # 0.170 -> 0.159 ms; from 32 rows its registers cost programs per SM: slower)
-        if not gemm1 and n % 128 == 0 and (bt == 16 if fp8 else bt >= 32):
+        if not gemm1 and gemm2_pair_fits(n) and (bt == 16 if fp8 else bt >= 32):
             cfg.update(pair=True)
         cfg.update(override)
         if k % cfg["block_k"]:
