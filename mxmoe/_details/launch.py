@@ -22,7 +22,7 @@ from .gemm import moe_gemm_kernel
 from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
-ROUTE_BLOCK = 1024
+ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
 
 
 @dataclass(frozen=True)
@@ -251,10 +251,13 @@ class Workspace:
         emap = expert_map if expert_map is not None else self.counts
         e_block = triton.next_power_of_2(num_experts)
         if R <= ROUTE_BLOCK:  # decode, small batches: one launch
+            # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
+            # 3.4 us (docs/perf-notes.md step 15)
+            block = max(16, triton.next_power_of_2(R))
             route_pack_small_kernel[(1,)](topk_ids, emap, self.counts, self.offsets, self.tile_expert, self.tile_start,
                                           self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
                                           max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
-                                          BLOCK=ROUTE_BLOCK, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4)
+                                          BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4)
         else:
             self.counts.zero_()
             sorted_routes.fill_(-1)
