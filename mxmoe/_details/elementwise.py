@@ -41,8 +41,11 @@ def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_
 
 
 @triton.jit
-def topk_sum_kernel(y_ptr, route_slot_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr, PURE: tl.constexpr):
+def topk_sum_kernel(y_ptr, route_slot_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr, PURE: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """out[t] = sum over k = 0..top_k-1 (in order, FP32) of y[t*top_k + k], masked routes skipped."""
+    if PDL:  # launched with programmatic dependent launch: wait for the routed rows
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = offs < H

@@ -38,6 +38,13 @@ SPLIT_WORKER_REGS = gl.constexpr(128)  # the small-tile kernel's second K-split 
 
 
 @gluon.jit
+def _wait_for_previous_kernel():
+    """``griddepcontrol.wait``: with programmatic dependent launch the kernel may start before the previous one
+    in the stream finished; this waits for it and for its memory (a no-op on a plain launch)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _pow2(exp):
     """2.0**exp as FP32 for int32 exp in [-252, 254] (two normal factors; see ``convert.pow2``)."""
     lo = gl.minimum(gl.maximum(exp, -126), 127)
@@ -609,6 +616,7 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
                            NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr):
     """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
     (shared), then one arrive on ``done``."""
+    _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, first_step, num_steps, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
                                 SCALE_WORDS)
@@ -644,6 +652,7 @@ def moe_gemm_small_kernel(
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
+    _wait_for_previous_kernel()
     pid_n = gl.program_id(0)
     pid_t = gl.program_id(1)
     if pid_t < gl.load(num_tiles_ptr):

@@ -22,6 +22,7 @@ from .gemm import moe_gemm_kernel
 from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
+PDL = True  # programmatic dependent launch of the route pack, the small-tile GEMMs and the top-k sum on sm90
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
 
 
@@ -257,7 +258,8 @@ class Workspace:
             route_pack_small_kernel[(1,)](topk_ids, emap, self.counts, self.offsets, self.tile_expert, self.tile_start,
                                           self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
                                           max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
-                                          BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4)
+                                          BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4,
+                                          **_pdl(topk_ids.device))
         else:
             self.counts.zero_()
             sorted_routes.fill_(-1)
@@ -291,6 +293,14 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
     return ws
 
 
+def _pdl(device: torch.device, kernel_arg: bool = True) -> dict:
+    """Launch options for programmatic dependent launch (Hopper): the kernel may start while the previous one
+    in the stream finishes, and waits for it with ``griddepcontrol.wait`` before touching memory."""
+    if not PDL or device.type != "cuda" or interpreting() or torch.cuda.get_device_capability(device)[0] < 9:
+        return {}
+    return dict(launch_pdl=True, **({"PDL": True} if kernel_arg else {}))
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -309,7 +319,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
-            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair)
+            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **_pdl(out.device, kernel_arg=False))
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     kernel[grid](
@@ -377,5 +387,5 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
           experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
     block_h = min(triton.next_power_of_2(H), 1024)
     topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot, out, H, top_k, BLOCK_H=block_h,
-                                                         PURE=interpreting(), num_warps=4)
+                                                         PURE=interpreting(), num_warps=4, **_pdl(x.device))
     return out

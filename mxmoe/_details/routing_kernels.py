@@ -93,10 +93,13 @@ def route_pack_small_kernel(ids_ptr, expert_map_ptr, counts_ptr, offsets_ptr, ti
                             num_tiles_ptr, route_slot_ptr, sorted_routes_ptr,
                             num_routes, num_experts, num_global, max_rows, max_tiles,
                             HAS_MAP: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
-                            T_BLOCK: tl.constexpr):
+                            T_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The whole pack for at most ``BLOCK`` routes in one program: the counts in registers (a histogram),
     ranks from integer atomics (the only global round trip after the id loads), fills ordered before the
-    scatters by CTA barriers."""
+    scatters by CTA barriers. ``PDL``: launched with programmatic dependent launch (wait for the previous
+    kernel, which may still read the last pack)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     e = tl.arange(0, E_BLOCK)
     tl.store(counts_ptr + e, tl.zeros((E_BLOCK,), tl.int32), mask=e < num_experts)
     for r0 in range(0, max_rows, BLOCK):
