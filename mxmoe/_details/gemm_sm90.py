@@ -45,6 +45,14 @@ def _wait_for_previous_kernel():
 
 
 @gluon.jit
+def _launch_dependents():
+    """``griddepcontrol.launch_dependents``: the next kernel (launched with PDL) may start once every program of
+    this one got here; only after this program's own wait, so that all kernels before this one are complete."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _pow2(exp):
     """2.0**exp as FP32 for int32 exp in [-252, 254] (two normal factors; see ``convert.pow2``)."""
     lo = gl.minimum(gl.maximum(exp, -126), 127)
@@ -109,15 +117,18 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
 
 @gluon.jit
 def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, slot, step, NH: gl.constexpr,
-                 BK: gl.constexpr):
+                 BK: gl.constexpr, PART: gl.constexpr = 0):
     """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
     of each half (``half_rows`` apart) and the gathered activation rows; every calling thread then arrives on
-    the slot's ``loaded`` barrier once its own copies have landed (count = the calling threads)."""
-    for h in gl.static_range(NH):
-        async_copy.async_copy_global_to_shared(packed.index(slot * NH + h),
-                                               w_ptrs + h * half_rows * row_bytes + step * (BK // 2))
-    async_copy.async_copy_global_to_shared(act.index(slot), a_ptrs + step * BK, mask=ok[:, None])
-    async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
+    the slot's ``loaded`` barrier once its own copies have landed (count = the calling threads). ``PART`` 1:
+    the packed rows only; 2: the rest (activation rows, arrive)."""
+    if PART != 2:
+        for h in gl.static_range(NH):
+            async_copy.async_copy_global_to_shared(packed.index(slot * NH + h),
+                                                   w_ptrs + h * half_rows * row_bytes + step * (BK // 2))
+    if PART != 1:
+        async_copy.async_copy_global_to_shared(act.index(slot), a_ptrs + step * BK, mask=ok[:, None])
+        async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
 
 
 @gluon.jit
@@ -482,10 +493,12 @@ def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: g
 def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 SCALE_WORDS: gl.constexpr):
+                 SCALE_WORDS: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
-    start ``half_rows`` apart (W4A16: still to be multiplied by 2**(ref - 127) per row)."""
+    start ``half_rows`` apart (W4A16: still to be multiplied by 2**(ref - 127) per row). ``EARLY_WEIGHTS``:
+    the first stages' weight copies go out before the wait for the previous kernel (whose output the
+    activation rows are), the rest after it."""
     NB: gl.constexpr = BK // 32
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
@@ -505,9 +518,21 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     if NH == 2:
         ref_u = gl.load(ref_ptr + w_row0 + half_rows + sm)[:, None]
 
-    for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
-        if j < num_steps:
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK)
+    if EARLY_WEIGHTS:  # prologue: stages 0 .. S-2 in flight, weights before the wait
+        for j in gl.static_range(NUM_STAGES - 1):
+            if j < num_steps:
+                _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
+                             BK, 1)
+        _wait_for_previous_kernel()
+        for j in gl.static_range(NUM_STAGES - 1):
+            if j < num_steps:
+                _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
+                             BK, 2)
+    else:
+        for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
+            if j < num_steps:
+                _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
+                             BK)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -637,7 +662,7 @@ def moe_gemm_small_kernel(
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
-    PAIR: gl.constexpr = False,
+    PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -652,7 +677,14 @@ def moe_gemm_small_kernel(
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
-    _wait_for_previous_kernel()
+    # programmatic dependent launch: wait for the previous kernel before reading what it wrote; GEMM2 with
+    # ``EARLY_WEIGHTS`` reads the route pack (complete before GEMM1 let it launch) and copies its first weight
+    # stages first (GEMM1 lets it launch once all GEMM1 programs run, so they load during GEMM1's tail)
+    gl.static_assert(not EARLY_WEIGHTS or (KSPLIT == 1 and not GEMM1))
+    if not EARLY_WEIGHTS:
+        _wait_for_previous_kernel()
+    if GEMM1:
+        _launch_dependents()
     pid_n = gl.program_id(0)
     pid_t = gl.program_id(1)
     if pid_t < gl.load(num_tiles_ptr):
@@ -669,7 +701,7 @@ def moe_gemm_small_kernel(
         if KSPLIT == 1:
             acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
                                         w_row0, slot0, half_rows, K, top_k, 0, num_k, GEMM1, NH, FP8, BM, BT, BK,
-                                        NUM_STAGES, SCALE_WORDS)
+                                        NUM_STAGES, SCALE_WORDS, EARLY_WEIGHTS)
         else:
             # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
             # SM issues too few instructions per cycle); its sums are added after the first half's, in that order

@@ -23,6 +23,7 @@ from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pac
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 PDL = True  # programmatic dependent launch of the route pack, the small-tile GEMMs and the top-k sum on sm90
+EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
 
 
@@ -293,6 +294,11 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
     return ws
 
 
+def early_weights(gemm1: bool, cfg: GemmConfig) -> bool:
+    """Whether a small-tile GEMM launched with PDL copies its first weight stages before its wait (GEMM2)."""
+    return PDL and EARLY_WEIGHTS and not gemm1 and cfg.k_split == 1
+
+
 def _pdl(device: torch.device, kernel_arg: bool = True) -> dict:
     """Launch options for programmatic dependent launch (Hopper): the kernel may start while the previous one
     in the stream finishes, and waits for it with ``griddepcontrol.wait`` before touching memory."""
@@ -319,7 +325,10 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
-            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **_pdl(out.device, kernel_arg=False))
+            pdl = _pdl(out.device, kernel_arg=False)
+            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **pdl)
+            if pdl and early_weights(gemm1, cfg):
+                extra.update(EARLY_WEIGHTS=True)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     kernel[grid](

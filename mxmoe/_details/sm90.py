@@ -66,8 +66,10 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         const.update(OUT_I64=False)
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
-        if cfg.kernel == "gluon_small":
-            const.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair)
+        if cfg.kernel == "gluon_small":  # as launched on sm90 (programmatic dependent launch)
+            from .launch import early_weights
+            const.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair,
+                         EARLY_WEIGHTS=early_weights(gemm1, cfg))
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
