@@ -2,11 +2,13 @@
 
 Layout (``PreparedExperts``):
 
-* ``w13``  uint8 ``[E, 2I, H/2]``, rows normalized to ``[gate; up]``, K-contiguous, source nibbles, the
-  16 bytes of every K32 block stored transposed as a 4x4 byte matrix (:func:`swap_block_bytes`):
-  stored byte ``4q + i`` holds source byte ``4i + q`` (K pair ``4i + q``). Then the 32-bit word q of a
-  block holds K pairs (2q, 2q+1), (2q+8, 2q+9), (2q+16, ..), (2q+24, ..), which are exactly the pairs of
-  a wgmma BF16 register operand held by lane ``q = lane % 4``: one 32-bit load per thread and block.
+* ``w13``  uint8 ``[E, 2I, H/2]``, rows normalized to ``[gate; up]``, K-contiguous, 16 bytes per K32 block
+  as four little-endian 32-bit words (:func:`interleave_block_bits`): word q holds the 8 values
+  K = 8j + 2q + c (j = 0..3, c = 0, 1), the values of a wgmma register operand held by lane
+  ``q = lane % 4`` (BF16: the pairs (2q, 2q+1), (2q+8, 2q+9), ..; FP8: the same values in the activations'
+  slot order, :func:`e4m3_slot_order`), one 32-bit load per thread and block. Inside the word the 32 bits
+  are placed so that one masked shift per value pair gives its BF16 sign and ``eem`` bits
+  (``_details/convert.py``).
 * ``w13_scale`` uint8 ``[E, 2I, H/32]``; ``w2`` uint8 ``[E, H, I/2]`` (same byte order);
   ``w2_scale`` uint8 ``[E, H, I/32]``.
 * ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
@@ -28,9 +30,10 @@ import torch
 from .format import BLOCK_K, check_no_nan_scales, scales_as_uint8
 
 W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
-# the byte layout the kernels read; bumped when it changes (2: K32 blocks stored byte-transposed), so that
+# the byte layout the kernels read; bumped when it changes (2: K32 blocks stored byte-transposed; 3: the bits
+# of each block's values placed for shift-and-mask conversion, interleave_block_bits), so that
 # experts prepared by another mxmoe version (e.g. unpickled) are refused instead of decoded wrongly
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 
 
 @dataclass
@@ -83,7 +86,7 @@ class PreparedExperts:
 
     def source_order_weights(self) -> tuple:
         """``(w13, w2)`` packed bytes in source order (``[gate; up]`` rows): what a plain MXFP4 decoder reads."""
-        return swap_block_bytes(self.w13), swap_block_bytes(self.w2)
+        return gather_block_bits(self.w13), gather_block_bits(self.w2)
 
     def to(self, device) -> "PreparedExperts":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -100,21 +103,63 @@ def check_layout_version(experts: "PreparedExperts") -> None:
                          "source weights again with mxmoe.prepare_weights")
 
 
-def swap_block_bytes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 ``[..., K/2]`` with the 16 bytes of each K32 block transposed as a 4x4 matrix (byte
-    ``4i + q`` <-> ``4q + i``); its own inverse: source order <-> prepared order."""
+_PAIR_MASK = 0x81C081C0  # BF16 bits of two E2M1 values times 2**-126: sign at 15 (+16), eem at 8..6 (+16)
+_ROWS_PER_CHUNK = 1 << 14  # bounds the int64 temporaries of the bit placement
+
+
+def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
+    return ((x << n) | (x >> (32 - n))) & 0xFFFFFFFF
+
+
+def interleave_block_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 ``[..., K/2]`` in source order (byte i = K 2i low nibble, K 2i + 1 high) -> the prepared
+    order: per K32 block four little-endian 32-bit words, word q holding K = 8j + 2q + c (j = 0..3, c = 0, 1)
+    with the bits placed so that the kernels' conversion of value pair j (sign to bit 15 + 16c, ``eem`` to bits
+    8..6 + 16c) is: j = 0 the word masked, j = 1 shifted left by 4, j = 2 rotated left by 10, j = 3 shifted
+    left by 6 (sign, e0, m) and right by 2 (e1); :func:`gather_block_bits` is the inverse."""
     shape = packed.shape
-    return packed.reshape(*shape[:-1], shape[-1] // 16, 4, 4).transpose(-1, -2).reshape(shape).contiguous()
+    flat = packed.reshape(-1, shape[-1])
+    out = torch.empty_like(flat)
+    for r0 in range(0, flat.shape[0], _ROWS_PER_CHUNK):
+        b = flat[r0:r0 + _ROWS_PER_CHUNK].to(torch.int64)
+        n = b.shape[0]
+        codes = torch.stack((b & 15, b >> 4), -1).reshape(n, -1, 4, 4, 2)  # [row, block, j, q, c]
+        lane = ((codes & 8) << 12) | ((codes & 7) << 6)
+        pair = (lane[..., 0] | (lane[..., 1] << 16)).transpose(-1, -2)  # [row, block, q, j]
+        p0, p1, p2, p3 = pair.unbind(-1)
+        words = p0 | (p1 >> 4) | _rotl(p2, 22) | ((p3 & 0x80C080C0) >> 6) | ((p3 & 0x01000100) << 2)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        out[r0:r0 + n] = words.reshape(n, -1).view(torch.uint8)
+    return out.reshape(shape)
+
+
+def gather_block_bits(prepared: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`interleave_block_bits`: prepared ``[..., K/2]`` -> source-order packed E2M1."""
+    shape = prepared.shape
+    flat = prepared.reshape(-1, shape[-1])
+    out = torch.empty_like(flat)
+    for r0 in range(0, flat.shape[0], _ROWS_PER_CHUNK):
+        chunk = flat[r0:r0 + _ROWS_PER_CHUNK].contiguous()
+        n = chunk.shape[0]
+        w = chunk.view(torch.int32).to(torch.int64).reshape(n, -1, 4) & 0xFFFFFFFF  # [row, block, q]
+        pair = torch.stack((w & _PAIR_MASK, (w << 4) & _PAIR_MASK, _rotl(w, 10) & _PAIR_MASK,
+                            ((w << 6) & 0x80C080C0) | ((w >> 2) & 0x01000100)), -1)  # [row, block, q, j]
+        lane = torch.stack((pair & 0xFFFF, pair >> 16), -1)  # [row, block, q, j, c]
+        codes = ((lane >> 12) & 8) | ((lane >> 6) & 7)
+        codes = codes.transpose(2, 3).reshape(n, -1, 2)  # K order: [row, K/2, nibble]
+        out[r0:r0 + n] = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return out.reshape(shape)
 
 
 def e4m3_slot_order(x: torch.Tensor) -> torch.Tensor:
     """``x [..., K]`` (K a multiple of 32) with each K32 block in the order the W4A8 kernels read FP8
-    activations: slot ``16 (i >> 1) + 4q + 2 (i & 1) + n`` holds K ``8i + 2q + n``. That is the order in
-    which the E4M3 conversion of the prepared (block-transposed) words lands in wgmma's FP8 register
-    operand: lane q's two 32-bit registers hold the values of its stored word q, bytes i = 0, 1 and 2, 3."""
+    activations: K ``16 j1 + 8 j0 + 2q + c`` goes to slot ``16 j1 + 4q + 2c + (1 ^ j0 ^ j1)``. That is the
+    order in which the E4M3 conversion of prepared word q (``_details/convert.py``) lands in wgmma's FP8
+    register operand: lane q's two 32-bit registers hold slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3."""
     shape = x.shape
-    v = x.reshape(*shape[:-1], shape[-1] // 32, 2, 2, 4, 2)  # K = 32 b + 16 i1 + 8 i0 + 2 q + n
-    return v.transpose(-2, -3).reshape(shape).contiguous()  # slot = 32 b + 16 i1 + 4 q + 2 i0 + n
+    v = x.reshape(*shape[:-1], shape[-1] // 32, 2, 2, 4, 2)  # [.., block, j1, j0, q, c]
+    v = torch.stack((v[..., 0, :, :, :].flip(-3), v[..., 1, :, :, :]), -4)  # j0 -> 1 ^ j0 ^ j1
+    return v.movedim(-3, -1).reshape(shape).contiguous()  # [.., block, j1, q, c, 1 ^ j0 ^ j1]
 
 
 def _row_ref(scale_u8: torch.Tensor) -> torch.Tensor:
@@ -216,7 +261,7 @@ def prepare_weights(
     s13_n = _to_gate_up(s13, w13_layout)
 
     return PreparedExperts(
-        w13=swap_block_bytes(w13_n), w13_scale=s13_n, w2=swap_block_bytes(w2), w2_scale=s2.contiguous(),
+        w13=interleave_block_bits(w13_n), w13_scale=s13_n, w2=interleave_block_bits(w2), w2_scale=s2.contiguous(),
         w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,

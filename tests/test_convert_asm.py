@@ -2,8 +2,8 @@
 
 The interpreter cannot run inline asm and the GPU is scarce, so the asm texts of
 ``mxmoe._details.convert`` are parsed and executed here instruction by instruction (and, or,
-shl, shr, prmt with sign replication, mul.lo, mad.lo, mul.rn.bf16x2) on every packed byte and
-compared with the exact E2M1 values. On the GPU, the kernels that use them are compared with
+shl, shr, shf.l.wrap, prmt with sign replication, mul.lo, mad.lo, mul.rn.bf16x2) on words covering every
+byte value and compared with the exact E2M1 values. On the GPU, the kernels that use them are compared with
 the plain-Triton twins (tests/test_gpu_moe.py).
 """
 import re
@@ -74,6 +74,8 @@ def run_asm(text: str, args: list) -> list:
             r = (src[0] << src[1]) & MASK
         elif op == "shr.b32":
             r = src[0] >> src[1]
+        elif op == "shf.l.wrap.b32":  # funnel shift left of (src[1]:src[0]) by src[2] mod 32, upper word
+            r = ((((src[1] << 32) | src[0]) << (src[2] & 31)) >> 32) & MASK
         elif op == "prmt.b32":
             r = _prmt(*src)
         elif op == "mul.lo.u32":
@@ -97,25 +99,45 @@ def _words():
     return [v * 0x01010101 for v in range(256)] + [int(x) for x in rng.integers(0, 2**32, 64, dtype=np.uint64)]
 
 
+# bits (m, e0, e1, s) of the 8 values of a prepared word, value 2j + c = K 8j + 2q + c of its block
+# (``prepare.interleave_block_bits``), written out independently of the conversion code
+_VALUE_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
+               (28, 29, 30, 5), (12, 13, 14, 21), (0, 1, 10, 9), (16, 17, 26, 25))
+
+
 def _codes(word: int) -> list:
-    """The 8 E2M1 codes of a word in K order (byte j: low nibble K = 2j, high nibble K = 2j + 1)."""
-    return [(word >> (4 * k)) & 0xF for k in range(8)]
+    """The 8 E2M1 codes of a prepared word, value 2j + c (K 8j + 2q + c of the block) first to last."""
+    return [sum(((word >> b) & 1) << i for i, b in enumerate(bits)) for bits in _VALUE_BITS]
+
+
+def test_value_bit_table_is_the_prepared_layout():
+    from mxmoe.prepare import interleave_block_bits
+
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        block = torch.tensor(rng.integers(0, 256, 16), dtype=torch.uint8)
+        k_codes = [(block[k // 2].item() >> (4 * (k % 2))) & 15 for k in range(32)]
+        words = interleave_block_bits(block[None])[0].numpy().view("<u4")
+        for q in range(4):
+            assert _codes(int(words[q])) == [k_codes[8 * j + 2 * q + c] for j in range(4) for c in range(2)]
 
 
 def _e4m3_byte(value: float) -> int:
     return int(torch.tensor([value]).to(torch.float8_e4m3fn).view(torch.uint8)[0])
 
 
-def test_e4m3_korder_gives_exact_e4m3_in_k_order():
+def test_e4m3_korder_gives_exact_e4m3_in_slot_order():
+    """Bytes of $0 then $1: values (2j + c) 2, 0, 3, 1, 4, 6, 5, 7 (``prepare.e4m3_slot_order``)."""
     for word in _words():
         lo, hi = run_asm(convert.E2M1X8_TO_E4M3_KORDER_ASM.value, [word])
         got = [(lo >> (8 * i)) & 0xFF for i in range(4)] + [(hi >> (8 * i)) & 0xFF for i in range(4)]
-        want = [_e4m3_byte(float(E2M1_VALUES[c]) * 2.0**-6) for c in _codes(word)]
+        codes = _codes(word)
+        want = [_e4m3_byte(float(E2M1_VALUES[codes[v]]) * 2.0**-6) for v in (2, 0, 3, 1, 4, 6, 5, 7)]
         assert got == want, hex(word)
 
 
 @pytest.mark.parametrize("d", [0, -1, -7, -30, -100])
-def test_bf16_korder_gives_exact_scaled_values_in_k_order(d):
+def test_bf16_korder_gives_exact_scaled_values_in_value_order(d):
     f = (253 + d) << 7  # the converter's factor: BF16 2**(126 + d)
     for word in _words():
         outs = run_asm(convert.E2M1X8_TO_BF16_KORDER_ASM.value, [word, f | (f << 16)])
@@ -125,23 +147,6 @@ def test_bf16_korder_gives_exact_scaled_values_in_k_order(d):
         # negative zero stays negative (the sign is placed even for code 8)
         signs = [(o >> (16 * half + 15)) & 1 for o in outs for half in range(2)]
         assert signs == [c >> 3 for c in _codes(word)]
-
-
-def test_plain_kernel_asm_forms_agree_with_the_korder_ones():
-    """The plain template's forms give the same values, low nibbles and high nibbles apart."""
-    for word in _words():
-        codes = _codes(word)
-        lo, hi = run_asm(convert.E2M1X8_TO_E4M3_ASM.value, [word])
-        k_lo, k_hi = run_asm(convert.E2M1X8_TO_E4M3_KORDER_ASM.value, [word])
-        k_bytes = [(k_lo >> (8 * i)) & 0xFF for i in range(4)] + [(k_hi >> (8 * i)) & 0xFF for i in range(4)]
-        assert [(lo >> (8 * i)) & 0xFF for i in range(4)] == k_bytes[0::2]
-        assert [(hi >> (8 * i)) & 0xFF for i in range(4)] == k_bytes[1::2]
-        outs = run_asm(convert.E2M1X8_TO_BF16_ASM.value, [word])  # values times 2**-126, no factor
-        halves = [(o >> (16 * h)) & 0xFFFF for o in outs for h in range(2)]
-        # $0,$1: low nibbles of bytes (0, 1), (2, 3); $2,$3: high nibbles
-        order = [0, 2, 4, 6, 1, 3, 5, 7]
-        for bits, k in zip(halves, order):
-            assert _bf16_to_f32(bits) == float(E2M1_VALUES[codes[k]]) * 2.0**-126
 
 
 def test_bf16_halves_asm_is_the_korder_asm_split_in_halves():
@@ -155,9 +160,9 @@ def test_bf16_halves_asm_is_the_korder_asm_split_in_halves():
 
 
 def test_fp8_stored_words_give_the_activation_slot_order():
-    """The W4A8 converters' claim for prepared (block-transposed) bytes: stored word q gives the E4M3 values
-    of activation slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3 of ``prepare.e4m3_slot_order``."""
-    from mxmoe.prepare import e4m3_slot_order, swap_block_bytes
+    """The W4A8 converter's claim for prepared words: stored word q gives the E4M3 values of activation slots
+    4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3 of ``prepare.e4m3_slot_order``."""
+    from mxmoe.prepare import e4m3_slot_order, interleave_block_bits
 
     rng = np.random.default_rng(4)
     for _ in range(50):
@@ -165,7 +170,7 @@ def test_fp8_stored_words_give_the_activation_slot_order():
         codes = [(block[k // 2].item() >> (4 * (k % 2))) & 15 for k in range(32)]
         k_order = [_e4m3_byte(float(E2M1_VALUES[c]) * 2.0**-6) for c in codes]
         slots = e4m3_slot_order(torch.tensor(k_order)).tolist()
-        stored = swap_block_bytes(block[None])[0].tolist()
+        stored = interleave_block_bits(block[None])[0].tolist()
         for q in range(4):
             o0, o1 = run_asm(convert.E2M1X8_TO_E4M3_KORDER_ASM.value, [int.from_bytes(bytes(stored[4 * q:4 * q + 4]), "little")])
             assert [(o0 >> (8 * i)) & 0xFF for i in range(4)] == slots[4 * q:4 * q + 4]

@@ -222,12 +222,13 @@ def test_weight_conversion_matches_plain_twin(fp8):
     @triton.jit
     def convert(w_ptr, d_ptr, out_ptr, FP8: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
         rows = tl.arange(0, BM)
-        packed = tl.load(w_ptr + rows[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None] * (BK // 8)
+                        + tl.arange(0, BK // 8)[None, :])
         if FP8:
-            bits = _e4m3_weights(packed, BM, PURE).to(tl.uint8, bitcast=True)
+            bits = _e4m3_weights(words, BM, PURE).to(tl.uint8, bitcast=True)
         else:
             d = tl.load(d_ptr + rows[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
-            bits = _bf16_weights(packed, d, BM, BK, PURE).to(tl.uint16, bitcast=True)
+            bits = _bf16_weights(words, d, BM, BK, PURE).to(tl.uint16, bitcast=True)
         tl.store(out_ptr + rows[:, None] * BK + tl.arange(0, BK)[None, :], bits)
 
     BM, BK = 64, 32 if fp8 else 128

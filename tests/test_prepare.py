@@ -97,21 +97,32 @@ def test_prepared_w13_is_gate_then_up(layout, decode_f64):
     assert torch.equal(w2, src["w2"]) and torch.equal(experts.w2_scale, src["w2_scale"])
 
 
-def test_prepared_bytes_are_block_transposed():
-    """Stored byte 4q + i of each K32 block is source byte 4i + q, so 32-bit word q holds K pairs q, q+4,
-    q+8, q+12 (one wgmma register-operand lane's pairs); swapping twice is the identity."""
-    from mxmoe.prepare import swap_block_bytes
+def test_prepared_words_place_each_value_pair_for_one_masked_shift():
+    """Word q of each prepared K32 block holds K 8j + 2q + c (j = 0..3, c = 0, 1); value pair j's BF16 sign and
+    eem bits (sign at 15 + 16c, eem at 8..6 + 16c) are the word masked (j = 0), shifted left by 4 (j = 1),
+    rotated left by 10 (j = 2), or shifted left by 6 and right by 2 (j = 3), as the kernels' conversion
+    reads them; every bit of the block is used once, and gather_block_bits undoes it."""
+    from mxmoe.prepare import gather_block_bits, interleave_block_bits
 
     src, _ = source_in_layout("gate_up", seed=5)
     experts = prepare_weights(**src)
     w = src["w2"]
-    stored = experts.w2
+    assert torch.equal(gather_block_bits(experts.w2), w) and torch.equal(interleave_block_bits(w), experts.w2)
+    codes = torch.stack((w & 15, w >> 4), -1).reshape(*w.shape[:-1], -1)  # K order
+    words = experts.w2.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    mask = 0x81C081C0
+    regs = [words & mask, (words << 4) & mask, ((words << 10) | (words >> 22)) & mask,
+            ((words << 6) & 0x80C080C0) | ((words >> 2) & 0x01000100)]
     for q in range(4):
-        for i in range(4):
-            assert torch.equal(stored[..., 4 * q + i::16], w[..., 4 * i + q::16])
-    assert torch.equal(swap_block_bytes(swap_block_bytes(w)), w)
-    word = stored[0, 0, :16].numpy().view("<u4")[1]  # word q = 1 of block 0
-    assert [(int(word) >> (8 * i)) & 0xFF for i in range(4)] == [int(w[0, 0, 4 * i + 1]) for i in range(4)]
+        for j in range(4):
+            for c in range(2):
+                lane = (regs[j][..., q::4] >> (16 * c)) & 0xFFFF
+                got = ((lane >> 12) & 8) | ((lane >> 6) & 7)
+                assert torch.equal(got.to(torch.uint8), codes[..., 8 * j + 2 * q + c::32])
+    for bit in range(128):  # a single source bit lands on a single prepared bit
+        one = torch.zeros(1, 16, dtype=torch.uint8)
+        one[0, bit // 8] = 1 << (bit % 8)
+        assert sum(bin(int(b)).count("1") for b in interleave_block_bits(one)[0]) == 1
 
 
 def test_prepared_properties_and_global_scales():

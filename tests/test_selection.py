@@ -196,8 +196,9 @@ def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
     (288 * 32, False, False, 1024, 64, 4),  # 32-row tiles: 64
     (8, False, True, 4096, 64, 4),          # W4A16 GEMM1: 64
     (8, True, False, 1024, 128, 3),         # W4A8: 128-K stages (4 K32 blocks), 3 of them up to 32-row tiles
-    (288 * 32, True, True, 4096, 128, 3),
-    (288 * 64, True, True, 4096, 128, 4),
+    (288 * 32, True, True, 4096, 128, 3),   # (W4A8 GEMM1 on 32-row tiles capped at 160 registers)
+    (288 * 64, True, True, 4096, 64, 4),    # W4A8 GEMM1 on 64-row tiles: 64 (128 spills)
+    (288 * 64, True, False, 1024, 128, 4),
     (8, True, True, 2880, 64, 4),           # K % 128 != 0
     (8, False, False, 2880, 64, 4),
 ])
@@ -206,6 +207,7 @@ def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
 
     cfg = gemm_config(rows, 288, 4096 if not gemm1 else 1024, k, fp8, kernel="gluon_small", gemm1=gemm1)
     assert (cfg.block_k, cfg.num_stages) == (block_k, stages)
+    assert cfg.maxnreg == (160 if fp8 and gemm1 and cfg.block_rows == 32 and block_k == 128 else 0)
 
 
 @pytest.mark.parametrize("override,n,match", [

@@ -16,10 +16,21 @@ import triton.language as tl
 
 
 @triton.jit
-def unpack_nibbles(packed, BM: tl.constexpr, BK: tl.constexpr):
-    """uint8 [BM, BK/2] -> int32 codes [BM, BK], low nibble = even k."""
-    p = packed.to(tl.int32)
-    return tl.join(p & 15, p >> 4).reshape(BM, BK)
+def prepared_codes(words, BM: tl.constexpr, BK: tl.constexpr):
+    """int32 words [BM, BK/8] of prepared weights (``prepare.interleave_block_bits``: word q of a K32 block
+    holds K 8j + 2q + c, j = 0..3, c = 0, 1) -> int32 E2M1 codes [BM, BK] in K order. The plain twin of the
+    inline-asm placements below: the same four masked shifts, each giving two values as (sign at bit 15,
+    ``eem`` at bits 8..6) of a 16-bit lane."""
+    u = words.to(tl.uint32, bitcast=True)
+    r0 = u & 0x81C081C0
+    r1 = (u << 4) & 0x81C081C0
+    r2 = ((u << 10) | (u >> 22)) & 0x81C081C0
+    r3 = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
+    regs = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BM, BK/8, b, a]: register j = 2a + b
+    lanes = tl.join(regs & 0xFFFF, regs >> 16)  # [.., c]: value c of register j
+    codes = (((lanes >> 12) & 8) | ((lanes >> 6) & 7)).to(tl.int32)
+    # [BM, block, q, b, a, c] -> [BM, block, a, b, q, c]: K = 32 block + 8 (2a + b) + 2q + c
+    return codes.reshape(BM, BK // 32, 4, 2, 2, 2).permute(0, 1, 4, 3, 2, 5).reshape(BM, BK)
 
 
 @triton.jit
@@ -98,79 +109,45 @@ def store_rounded(ptrs, v, mask, PURE: tl.constexpr):
 
 # ---- inline-asm forms for the GPU (the interpreter cannot run them; see the plain twins above) ----
 
-# The asm texts are shared with the Gluon kernel (gemm_sm90); documented on the functions below.
-E2M1X8_TO_BF16_ASM = tl.constexpr("""{
-        .reg .b32 t0, t1, u, v;
-        prmt.b32 t0, $4, 0, 0x4140;
-        prmt.b32 t1, $4, 0, 0x4342;
-        shl.b32 u, t0, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 12; and.b32 v, v, 0x80008000; or.b32 $0, u, v;
-        shl.b32 u, t1, 6;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 12; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
-        shl.b32 u, t0, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 8;  and.b32 v, v, 0x80008000; or.b32 $2, u, v;
-        shl.b32 u, t1, 2;  and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 8;  and.b32 v, v, 0x80008000; or.b32 $3, u, v;
-        }""")
-E2M1X8_TO_E4M3_ASM = tl.constexpr("""{
-        .reg .b32 u, v;
-        and.b32 u, $2, 0x07070707; shl.b32 u, u, 2; and.b32 v, $2, 0x08080808; shl.b32 v, v, 4; or.b32 $0, u, v;
-        and.b32 u, $2, 0x70707070; shr.b32 u, u, 2; and.b32 v, $2, 0x80808080; or.b32 $1, u, v;
-        }""")
-
-
-# K-ordered forms for the Gluon converter: one 32-bit word of packed codes (bytes 0..3; byte j holds
-# K = 2j in its low nibble and K = 2j + 1 in its high one) -> values in K order, no re-interleaving.
-# a = low nibbles, b = high nibbles (each byte < 16, so prmt's sign-replicate selector 8 gives a zero byte).
+# One 32-bit word of prepared weights (``prepare.interleave_block_bits``) holds the 8 values K 8j + 2q + c
+# (j = 0..3, c = 0, 1) of stored word q of a K32 block, their bits placed so that the BF16 bits of value pair j
+# (sign at bit 15 + 16c, ``eem`` at bits 8..6 + 16c: the value times 2**-126, as ``e2m1_to_bf16``'s
+# subnormal trick) come out of one masked shift each: j = 0 as stored, j = 1 shifted left by 4, j = 2 rotated
+# left by 10, j = 3 from two shifts (left 6, right 2). Three to four instructions per two values, then one
+# BF16 multiply by the block factor; no nibble split, no byte permute (docs/perf-notes.md step 15).
 E2M1X8_TO_BF16_KORDER_ASM = tl.constexpr("""{
-        .reg .b32 a, b, t;
-        and.b32 a, $4, 0x0F0F0F0F; shr.b32 b, $4, 4; and.b32 b, b, 0x0F0F0F0F;
-        prmt.b32 t, a, b, 0x8480; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $0, t, $5;
-        prmt.b32 t, a, b, 0x8581; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $1, t, $5;
-        prmt.b32 t, a, b, 0x8682; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $2, t, $5;
-        prmt.b32 t, a, b, 0x8783; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $3, t, $5;
+        .reg .b32 t, u;
+        and.b32 t, $4, 0x81C081C0; mul.rn.bf16x2 $0, t, $5;
+        shl.b32 t, $4, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $1, t, $5;
+        shf.l.wrap.b32 t, $4, $4, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $2, t, $5;
+        shl.b32 t, $4, 6; and.b32 t, t, 0x80C080C0; shr.b32 u, $4, 2; and.b32 u, u, 0x01000100; or.b32 t, t, u;
+        mul.rn.bf16x2 $3, t, $5;
         }""")
-"""$0..$3 = BF16x2 (K 2j, K 2j+1) of the word $4, times the BF16x2 factor $5 (the same in both halves).
-
-Per pair: prmt puts code K2j at bits 0..3 and K2j+1 at bits 16..19 (zeros elsewhere); times 0x1040
-adds copies shifted by 6 (``eem`` to bits 8..6) and 12 (sign to bit 15) that cannot overlap; the mask
-keeps the BF16 bits of the value times 2**-126 (as ``e2m1x8_to_bf16_scaled_by_2pow126``), and the
-factor 2**(126 + d) makes it the value times 2**d."""
-E2M1X8_TO_E4M3_KORDER_ASM = tl.constexpr("""{
-        .reg .b32 u, v, t;
-        shl.b32 t, $2, 2; and.b32 u, t, 0x1C1C1C1C; shl.b32 t, $2, 4; and.b32 t, t, 0x80808080; or.b32 u, u, t;
-        shr.b32 t, $2, 2; and.b32 v, t, 0x1C1C1C1C; and.b32 t, $2, 0x80808080; or.b32 v, v, t;
-        prmt.b32 $0, u, v, 0x5140; prmt.b32 $1, u, v, 0x7362;
-        }""")
-"""$0 = E4M3 bytes of K 0..3, $1 of K 4..7 of the word $2, times 2**-6 (as
-``e2m1x8_to_e4m3_scaled_by_2pow_minus6``): u = the low nibbles (K 0, 2, 4, 6) and v = the high ones
-(K 1, 3, 5, 7) with ``eem`` moved to bits 4..2 and the sign to bit 7 of each byte, then two prmt
-interleave them."""
-
+"""$0..$3 = BF16x2 (K 8j + 2q, K 8j + 2q + 1), j = 0..3, of the prepared word $4 (stored word q of its block),
+times the BF16x2 factor $5 (the same in both halves): 2**(126 + d) makes the placed value times 2**d."""
 E2M1X8_TO_BF16_HALVES_ASM = tl.constexpr("""{
-        .reg .b32 a, b, t;
-        and.b32 a, $8, 0x0F0F0F0F; shr.b32 b, $8, 4; and.b32 b, b, 0x0F0F0F0F;
-        prmt.b32 t, a, b, 0x8480; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
-        mov.b32 {$0, $1}, t;
-        prmt.b32 t, a, b, 0x8581; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
-        mov.b32 {$2, $3}, t;
-        prmt.b32 t, a, b, 0x8682; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
-        mov.b32 {$4, $5}, t;
-        prmt.b32 t, a, b, 0x8783; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9;
-        mov.b32 {$6, $7}, t;
+        .reg .b32 t, u;
+        and.b32 t, $8, 0x81C081C0; mul.rn.bf16x2 t, t, $9; mov.b32 {$0, $1}, t;
+        shl.b32 t, $8, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9; mov.b32 {$2, $3}, t;
+        shf.l.wrap.b32 t, $8, $8, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, $9; mov.b32 {$4, $5}, t;
+        shl.b32 t, $8, 6; and.b32 t, t, 0x80C080C0; shr.b32 u, $8, 2; and.b32 u, u, 0x01000100; or.b32 t, t, u;
+        mul.rn.bf16x2 t, t, $9; mov.b32 {$6, $7}, t;
         }""")
-"""``E2M1X8_TO_BF16_KORDER_ASM`` with each BF16x2 result split into its halves: $0..$7 (16-bit) = the
-values of K 0..7 of the word $8, times the BF16x2 factor $9. For a register operand built from separate
-BF16 values (Gluon has no 32-to-2x16-bit register bitcast); ptxas keeps each pair in one register."""
-
-
-@triton.jit
-def e2m1x8_to_bf16_scaled_by_2pow126(packed):
-    """uint8 [.., n] (two E2M1 per byte) -> (low-nibble values, high-nibble values) as BF16 times 2**-126.
-
-    Bit placement only: sign to bit 15, exponent/mantissa ``eem`` to bits 8..6, which is the E2M1
-    value times 2**-126 (code 1 becomes the BF16 subnormal 2**-127). Two prmt spread four bytes
-    into 16-bit lanes; shifts and masks place the nibbles (ptxas fuses them into LOP3).
-    """
-    return tl.inline_asm_elementwise(
-        asm=E2M1X8_TO_BF16_ASM,
-        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+"""``E2M1X8_TO_BF16_KORDER_ASM`` with each BF16x2 result split into its halves: $0..$7 (16-bit) = the values
+K 8j + 2q + c (output 2j + c) of the word $8, times the BF16x2 factor $9. For a register operand built from
+separate BF16 values (Gluon has no 32-to-2x16-bit register bitcast); ptxas keeps each pair in one register."""
+E2M1X8_TO_E4M3_KORDER_ASM = tl.constexpr("""{
+        .reg .b32 t, u;
+        and.b32 t, $2, 0x801C801C; shl.b32 u, $2, 4; and.b32 u, u, 0x1C001C00; or.b32 t, t, u;
+        shr.b32 u, $2, 4; and.b32 u, u, 0x00800080; or.b32 $0, t, u;
+        shf.l.wrap.b32 t, $2, $2, 6; and.b32 t, t, 0x801C801C; shl.b32 u, $2, 2; and.b32 u, u, 0x10801080;
+        or.b32 t, t, u; shl.b32 u, $2, 10; and.b32 u, u, 0x0C000C00; or.b32 $1, t, u;
+        }""")
+"""$0 = E4M3 bytes of K 8 + 2q, 2q, 9 + 2q, 1 + 2q and $1 of K 16 + 2q, 24 + 2q, 17 + 2q, 25 + 2q of the
+prepared word $2 (stored word q), times 2**-6 (as ``e2m1_to_e4m3_scaled_by_2pow_minus6``: sign to bit 7,
+``eem`` to bits 4..2 of each byte): activation slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3 of
+``prepare.e4m3_slot_order``. A value's sign and ``eem`` sit 7 bits apart in the word (placed for BF16) but 3
+in E4M3, so each register is three masked shifts of the word; the slot order is the one that needs no more."""
 
 
 @triton.jit
@@ -178,15 +155,3 @@ def bf16_block_factor(d):
     """BF16 2**(126 + d) for int32 d <= 0 (0 where that underflows): times the 2**-126 placement gives 2**d."""
     exp = tl.maximum(253 + d, 0)
     return (exp << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def e2m1x8_to_e4m3_scaled_by_2pow_minus6(packed):
-    """uint8 [.., n] -> (low-nibble, high-nibble) E4M3 bits (uint8) of the E2M1 values times 2**-6.
-
-    Bit placement only: sign to bit 7, ``eem`` to bits 4..2 (code 1 becomes the E4M3
-    subnormal 2**-7). Plain twin: ``e2m1_to_e4m3_scaled_by_2pow_minus6``.
-    """
-    return tl.inline_asm_elementwise(
-        asm=E2M1X8_TO_E4M3_ASM,
-        constraints="=r,=r,r", args=[packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)

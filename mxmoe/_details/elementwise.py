@@ -34,8 +34,8 @@ def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_
             q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
         else:
             q = v.to(tl.float8e4nv)
-        # K = 32 b + 16 i1 + 8 i0 + 2 q + n goes to slot 32 b + 16 i1 + 4 q + 2 i0 + n
-        slot = (offs & ~15) + ((offs & 6) << 1) + ((offs & 8) >> 2) + (offs & 1)
+        # K = 32 b + 16 j1 + 8 j0 + 2 q + c goes to slot 32 b + 16 j1 + 4 q + 2 c + (1 ^ j0 ^ j1)
+        slot = (offs & ~15) + ((offs & 6) << 1) + ((offs & 1) << 1) + (((offs >> 3) ^ (offs >> 4) ^ 1) & 1)
         tl.store(q_row + slot, q, mask=offs < K)
     tl.store(scale_ptr + row, scale)
 

@@ -12,44 +12,43 @@ is applied in the epilogue.
 import triton
 import triton.language as tl
 
-from .convert import (bf16_block_factor, e2m1_to_bf16, e2m1_to_e4m3_scaled_by_2pow_minus6, e2m1x8_to_bf16_scaled_by_2pow126,
-                      e2m1x8_to_e4m3_scaled_by_2pow_minus6, expand_blocks, pow2, store_rounded, unpack_nibbles)
+from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_KORDER_ASM, e2m1_to_bf16,
+                      e2m1_to_e4m3_scaled_by_2pow_minus6, expand_blocks, pow2, prepared_codes, store_rounded)
 
 
 @triton.jit
-def _bf16_weights(packed, d, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
-    """[BM, BK/2] packed E2M1 -> [BM, BK] BF16 values times 2**d (d per K32 block, [BM, BK/32], <= 0)."""
+def _bf16_weights(words, d, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
+    """Prepared words [BM, BK/8] -> [BM, BK] BF16 values times 2**d (d per K32 block, [BM, BK/32], <= 0)."""
     if PURE:  # plain Triton bit construction, per element
-        return e2m1_to_bf16(unpack_nibbles(packed, BM, BK), expand_blocks(d, BM, BK))
-    else:  # bit placement (value * 2**-126), then one BF16 multiply by 2**(126 + d) per element pair
-        lo, hi = e2m1x8_to_bf16_scaled_by_2pow126(packed)
-        w = tl.join(lo, hi).reshape(BM, BK // 32, 32) * bf16_block_factor(d)[:, :, None]
-        return w.reshape(BM, BK)
+        return e2m1_to_bf16(prepared_codes(words, BM, BK), expand_blocks(d, BM, BK))
+    else:  # the Gluon kernels' asm: masked shifts, one BF16 multiply by 2**(126 + d) per value pair
+        f = tl.maximum(253 + d, 0) << 7
+        f = tl.broadcast_to((f | (f << 16))[:, :, None], (BM, BK // 32, 4)).reshape(BM, BK // 8)
+        x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+            E2M1X8_TO_BF16_HALVES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f], dtype=(tl.bfloat16, ) * 8,
+            is_pure=True, pack=1)
+        w = tl.join(tl.join(tl.join(x0, x1), tl.join(x2, x3)), tl.join(tl.join(x4, x5), tl.join(x6, x7)))
+        # x_{2j+c} = K 8j + 2q + c, j = 2a + b; [BM, block, q, c, b, a] -> [BM, block, a, b, q, c]
+        return w.reshape(BM, BK // 32, 4, 2, 2, 2).permute(0, 1, 5, 4, 2, 3).reshape(BM, BK)
 
 
 @triton.jit
-def _e4m3_weights(packed, BM: tl.constexpr, PURE: tl.constexpr):
-    """[BM, 16] packed E2M1 (one K32 block) -> [BM, 32] E4M3 values times 2**-6 (exact)."""
+def _e4m3_weights(words, BM: tl.constexpr, PURE: tl.constexpr):
+    """Prepared words [BM, 4] (one K32 block) -> [BM, 32] E4M3 values times 2**-6 (exact), in the activations'
+    slot order (``prepare.e4m3_slot_order``: slot 16 j1 + 4q + 2c + (1 ^ j0 ^ j1) holds K 16 j1 + 8 j0 + 2q + c)."""
     if PURE:
-        codes = unpack_nibbles(packed, BM, 32)
+        slot = tl.arange(0, 32)
+        j1 = slot >> 4
+        k = 16 * j1 + 8 * ((slot ^ j1 ^ 1) & 1) + 2 * ((slot >> 2) & 3) + ((slot >> 1) & 1)
+        codes = tl.gather(prepared_codes(words, BM, 32), tl.broadcast_to(k[None, :], (BM, 32)), 1)
         return e2m1_to_e4m3_scaled_by_2pow_minus6(codes).to(tl.float8e4nv, bitcast=True)
-    else:
-        lo, hi = e2m1x8_to_e4m3_scaled_by_2pow_minus6(packed)
-        return tl.join(lo, hi).reshape(BM, 32).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def _source_order(packed, BM: tl.constexpr, BK: tl.constexpr):
-    """A packed tile [BM, BK/2] as stored (the bytes of each K32 block transposed, ``prepare``) -> source
-    byte order (byte j = K 2j, 2j+1)."""
-    return packed.reshape(BM, BK // 32, 4, 4).permute(0, 1, 3, 2).reshape(BM, BK // 2)
-
-
-@triton.jit
-def _slot_order(packed, BM: tl.constexpr):
-    """A stored K32 block [BM, 16] -> its bytes in the FP8 activations' slot order (``prepare.e4m3_slot_order``):
-    stored byte 4q + 2 i1 + i0 (K 8i + 2q, + 1) to byte 8 i1 + 2q + i0."""
-    return packed.reshape(BM, 4, 2, 2).permute(0, 2, 1, 3).reshape(BM, 16)
+    else:  # the Gluon kernel's asm: word q -> slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3
+        lo, hi = tl.inline_asm_elementwise(E2M1X8_TO_E4M3_KORDER_ASM, "=r,=r,r", [words], dtype=(tl.uint32, tl.uint32),
+                                           is_pure=True, pack=1)
+        regs = tl.join(lo, hi)  # [BM, q, h]
+        shift = (tl.arange(0, 4) * 8).to(tl.uint32)
+        b = (regs[:, :, :, None] >> shift[None, None, None, :]) & 0xFF  # [BM, q, h, i]
+        return b.permute(0, 2, 1, 3).reshape(BM, 32).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -63,17 +62,17 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
     multiplies the FP8 MMA's partial sum into the FP32 accumulator: exact for any span of
     scales, and Hopper's reduced-precision FP8 accumulation never runs past 32 products.
     """
-    packed = tl.load(w_ptrs)
+    words = tl.load(w_ptrs)
     sc = tl.load(s_ptrs).to(tl.int32)
     if FP8:  # the activations come in slot order (the row quantizer), so the weights go the same way
-        w = _e4m3_weights(_slot_order(packed, BM), BM, PURE)
+        w = _e4m3_weights(words, BM, PURE)
         if PURE:  # the interpreter's bf16/fp8 dot is wrong: multiply exact FP32 copies instead
             part = tl.dot(w.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(w, a)
         return acc + part * pow2(tl.sum(sc, axis=1) - 121)[:, None]
     else:
-        w = _bf16_weights(_source_order(packed, BM, BK), sc - ref[:, None], BM, BK, PURE)
+        w = _bf16_weights(words, sc - ref[:, None], BM, BK, PURE)
         if PURE:
             return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -94,16 +93,17 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, up_off,
     acc_g = tl.zeros((BM, BT), dtype=tl.float32)
     acc_u = tl.zeros((BM, BT), dtype=tl.float32)
     a_ptrs = a_ptr + a_row[None, :] * stride_a + offs_k[:, None]
-    w_ptrs = w_base + offs_m[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+    # the packed weights as 32-bit words (``prepare.interleave_block_bits``)
+    w_ptrs = w_base.to(tl.pointer_type(tl.int32), bitcast=True) + offs_m[:, None] * (K // 8) + tl.arange(0, BK // 8)[None, :]
     s_ptrs = s_base + offs_m[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
         acc_g = _tile_mma(acc_g, w_ptrs, s_ptrs, a, ref_g, FP8, BM, BK, PURE)
         if GLU:  # the up rows, ``up_off`` rows further, share the activation tile
-            acc_u = _tile_mma(acc_u, w_ptrs + up_off * (K // 2), s_ptrs + up_off * (K // 32), a, ref_u,
+            acc_u = _tile_mma(acc_u, w_ptrs + up_off * (K // 8), s_ptrs + up_off * (K // 32), a, ref_u,
                               FP8, BM, BK, PURE)
         a_ptrs += BK
-        w_ptrs += BK // 2
+        w_ptrs += BK // 8
         s_ptrs += BK // 32
     if FP8:
         return acc_g, acc_u

@@ -4,7 +4,7 @@ Same contract and arguments as :func:`gemm.moe_gemm_kernel` (``W · Aᵀ``: weig
 MMA's M, routed rows its N). Two kernels:
 
 - ``moe_gemm_small_kernel`` (both precisions; every GEMM in the default selection but one case below):
-  one warpgroup reads exactly its wgmma register-operand words of the prepared (block-transposed)
+  one warpgroup reads exactly its wgmma register-operand words of the prepared (``interleave_block_bits``)
   weights and converts them in registers; no shared-memory round trip for the converted weights (see
   below); two accumulator chains (GEMM1's gate and up halves, GEMM2's two row blocks with ``PAIR``) let
   one convert while the other's MMA runs; for decode grids smaller than the SM count, two warpgroups
@@ -246,7 +246,7 @@ def _converter(s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k,
                         o0, o1, o2, o3 = gl.inline_asm_elementwise(E2M1X8_TO_BF16_KORDER_ASM, "=r,=r,=r,=r,r,r",
                                                                    [p, f2], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
                                                                    is_pure=True, pack=1)
-                        # output j of stored word q is K pair 4j + q of the block
+                        # output j of stored word q is K pair 4j + q of the block (K 8j + 2q, + 1)
                         w = gl.join(gl.join(o0, o2), gl.join(o1, o3)).reshape(BM, NC, 4, 4).permute((0, 1, 3, 2))
                         w = w.reshape(BM, BK // 2)
                         wconv.index(s * NH + h)._reinterpret(gl.int32, [BM, BK // 2], conv_words).store(
@@ -460,7 +460,7 @@ def _bf16_operand(words, f, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr
     """Words [BM, BK/32, 4] (``_fragment_words``) -> the BF16 register operand [BM, BK] of wgmma, each K32
     block times its BF16x2 factor ``f`` ([BM, BK/32] int32 in ``SliceLayout(2, WL)``)."""
     f4 = gl.expand_dims(f, 2) + gl.zeros([BM, BK // 32, 4], gl.int32, WL)
-    # x_{2i+c} = value c of byte i of stored word q: K 8i + 2q + c of the block
+    # x_{2i+c} = value c of pair i of stored word q: K 8i + 2q + c of the block
     x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
         E2M1X8_TO_BF16_HALVES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f4], dtype=(gl.bfloat16, ) * 8,
         is_pure=True, pack=1)
@@ -667,7 +667,7 @@ def moe_gemm_small_kernel(
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
     activation rows); each thread reads the packed bytes of exactly its wgmma register-operand words
-    (``prepare``'s block-transposed layout) and converts them in registers. W4A16: BF16 with the block
+    (``prepare.interleave_block_bits``) and converts them in registers. W4A16: BF16 with the block
     scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): E2M1 * 2**-6 in
     E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 121)
     into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
