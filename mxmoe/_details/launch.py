@@ -137,11 +137,11 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         if fp8 and k % 128 == 0:
             cfg.update(block_k=128, num_stages=3 if bt <= 32 else 4)
         # W4A8 GEMM1 with the conversion of prepared layout 3 (three masked shifts per E4M3 register): 128-K stages
-        # spill on 64-row tiles (64-K stages: H200 T=2048 0.955 -> 0.923 ms, T=8192 3.08 -> 3.14 ms, no spill), and
-        # 32-row tiles ran faster capped at 160 registers (T=1024 0.704 -> 0.622 ms; docs/perf-notes.md step 15)
+        # spill on 64-row tiles; 64-K stages there, capped at 200 registers (H200, T=2048 0.955 -> 0.908 ms, T=8192
+        # 3.08 -> 2.99 ms); 32-row tiles capped at 160 (T=1024 0.704 -> 0.622 ms). docs/perf-notes.md step 15
         if fp8 and gemm1 and cfg["block_k"] == 128:
             if bt == 64:
-                cfg.update(block_k=64, num_stages=4)
+                cfg.update(block_k=64, num_stages=4, maxnreg=200)
             elif bt == 32:
                 cfg.update(maxnreg=160)
         # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
