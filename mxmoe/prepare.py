@@ -104,7 +104,7 @@ def check_layout_version(experts: "PreparedExperts") -> None:
 
 
 _PAIR_MASK = 0x81C081C0  # BF16 bits of two E2M1 values times 2**-126: sign at 15 (+16), eem at 8..6 (+16)
-_ROWS_PER_CHUNK = 1 << 14  # bounds the int64 temporaries of the bit placement
+_CHUNK_BYTES = 1 << 22  # packed bytes per step of the bit placement (its int64 temporaries are ~70x that)
 
 
 def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -120,8 +120,9 @@ def interleave_block_bits(packed: torch.Tensor) -> torch.Tensor:
     shape = packed.shape
     flat = packed.reshape(-1, shape[-1])
     out = torch.empty_like(flat)
-    for r0 in range(0, flat.shape[0], _ROWS_PER_CHUNK):
-        b = flat[r0:r0 + _ROWS_PER_CHUNK].to(torch.int64)
+    rows = max(1, _CHUNK_BYTES // max(shape[-1], 1))
+    for r0 in range(0, flat.shape[0], rows):
+        b = flat[r0:r0 + rows].to(torch.int64)
         n = b.shape[0]
         codes = torch.stack((b & 15, b >> 4), -1).reshape(n, -1, 4, 4, 2)  # [row, block, j, q, c]
         lane = ((codes & 8) << 12) | ((codes & 7) << 6)
@@ -138,8 +139,9 @@ def gather_block_bits(prepared: torch.Tensor) -> torch.Tensor:
     shape = prepared.shape
     flat = prepared.reshape(-1, shape[-1])
     out = torch.empty_like(flat)
-    for r0 in range(0, flat.shape[0], _ROWS_PER_CHUNK):
-        chunk = flat[r0:r0 + _ROWS_PER_CHUNK].contiguous()
+    rows = max(1, _CHUNK_BYTES // max(shape[-1], 1))
+    for r0 in range(0, flat.shape[0], rows):
+        chunk = flat[r0:r0 + rows].contiguous()
         n = chunk.shape[0]
         w = chunk.view(torch.int32).to(torch.int64).reshape(n, -1, 4) & 0xFFFFFFFF  # [row, block, q]
         pair = torch.stack((w & _PAIR_MASK, (w << 4) & _PAIR_MASK, _rotl(w, 10) & _PAIR_MASK,

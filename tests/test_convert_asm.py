@@ -126,10 +126,10 @@ def _e4m3_byte(value: float) -> int:
     return int(torch.tensor([value]).to(torch.float8_e4m3fn).view(torch.uint8)[0])
 
 
-def test_e4m3_korder_gives_exact_e4m3_in_slot_order():
+def test_e4m3_slots_asm_gives_exact_e4m3_in_slot_order():
     """Bytes of $0 then $1: values (2j + c) 2, 0, 3, 1, 4, 6, 5, 7 (``prepare.e4m3_slot_order``)."""
     for word in _words():
-        lo, hi = run_asm(convert.E2M1X8_TO_E4M3_KORDER_ASM.value, [word])
+        lo, hi = run_asm(convert.E2M1X8_TO_E4M3_SLOTS_ASM.value, [word])
         got = [(lo >> (8 * i)) & 0xFF for i in range(4)] + [(hi >> (8 * i)) & 0xFF for i in range(4)]
         codes = _codes(word)
         want = [_e4m3_byte(float(E2M1_VALUES[codes[v]]) * 2.0**-6) for v in (2, 0, 3, 1, 4, 6, 5, 7)]
@@ -172,6 +172,6 @@ def test_fp8_stored_words_give_the_activation_slot_order():
         slots = e4m3_slot_order(torch.tensor(k_order)).tolist()
         stored = interleave_block_bits(block[None])[0].tolist()
         for q in range(4):
-            o0, o1 = run_asm(convert.E2M1X8_TO_E4M3_KORDER_ASM.value, [int.from_bytes(bytes(stored[4 * q:4 * q + 4]), "little")])
+            o0, o1 = run_asm(convert.E2M1X8_TO_E4M3_SLOTS_ASM.value, [int.from_bytes(bytes(stored[4 * q:4 * q + 4]), "little")])
             assert [(o0 >> (8 * i)) & 0xFF for i in range(4)] == slots[4 * q:4 * q + 4]
             assert [(o1 >> (8 * i)) & 0xFF for i in range(4)] == slots[16 + 4 * q:16 + 4 * q + 4]

@@ -186,11 +186,14 @@ def test_graph_replay_bitwise(T):
     assert torch.equal(out, fused_moe(x2, ex, w2, ids2, workspace=ws))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9 or newer")
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_programmatic_dependent_launch_changes_nothing(T, precision, monkeypatch):
     """Kernels launched to start before the previous one finished (PDL, sm90) give the plain launches' bits,
-    also for back-to-back calls whose route pack rewrites what the previous call's top-k sum still reads."""
+    also for back-to-back calls whose route pack rewrites what the previous call's top-k sum still reads, and
+    around a call with no routed row (no GEMM program has a tile)."""
     from mxmoe._details import launch
 
     E, H, I, top_k = SHAPES["ref"]
@@ -198,6 +201,9 @@ def test_programmatic_dependent_launch_changes_nothing(T, precision, monkeypatch
     ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)
     xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in range(3)]
     routes = [routing(T, top_k, E, kind="masked" if i == 1 else "uniform", seed=T + i) for i in range(3)]
+    routes[2] = (torch.full_like(routes[2][0], -1), routes[2][1])  # all masked: no tile at all
+    xs.append(xs[0].clone())
+    routes.append(routes[0])
     runs = {}
     for pdl in (False, True):
         monkeypatch.setattr(launch, "PDL", pdl)
@@ -209,6 +215,7 @@ def test_programmatic_dependent_launch_changes_nothing(T, precision, monkeypatch
     for plain, early in zip(runs[False], runs[True]):
         assert torch.isfinite(early.float()).all()
         assert torch.equal(plain, early)
+    assert torch.equal(runs[True][3], runs[True][0])  # the same inputs again, after the others
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -209,6 +209,11 @@ def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
     assert (cfg.block_k, cfg.num_stages) == (block_k, stages)
     capped = {32: 160, 64: 200} if fp8 and gemm1 and k % 128 == 0 else {}
     assert cfg.maxnreg == capped.get(cfg.block_rows, 0)
+    if capped:  # an override of the tile drops the cap measured for the default one; an explicit cap stays
+        other = 128 if cfg.block_k == 64 else 64
+        assert gemm_config(rows, 288, 1024, k, fp8, {"block_k": other}, kernel="gluon_small", gemm1=True).maxnreg == 0
+        assert gemm_config(rows, 288, 1024, k, fp8, {"block_k": other, "maxnreg": 168}, kernel="gluon_small",
+                           gemm1=True).maxnreg == 168
 
 
 @pytest.mark.parametrize("override,n,match", [

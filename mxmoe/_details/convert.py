@@ -136,7 +136,7 @@ E2M1X8_TO_BF16_HALVES_ASM = tl.constexpr("""{
 """``E2M1X8_TO_BF16_KORDER_ASM`` with each BF16x2 result split into its halves: $0..$7 (16-bit) = the values
 K 8j + 2q + c (output 2j + c) of the word $8, times the BF16x2 factor $9. For a register operand built from
 separate BF16 values (Gluon has no 32-to-2x16-bit register bitcast); ptxas keeps each pair in one register."""
-E2M1X8_TO_E4M3_KORDER_ASM = tl.constexpr("""{
+E2M1X8_TO_E4M3_SLOTS_ASM = tl.constexpr("""{
         .reg .b32 t, u;
         and.b32 t, $2, 0x801C801C; shl.b32 u, $2, 4; and.b32 u, u, 0x1C001C00; or.b32 t, t, u;
         shr.b32 u, $2, 4; and.b32 u, u, 0x00800080; or.b32 $0, t, u;
@@ -148,10 +148,3 @@ prepared word $2 (stored word q), times 2**-6 (as ``e2m1_to_e4m3_scaled_by_2pow_
 ``eem`` to bits 4..2 of each byte): activation slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3 of
 ``prepare.e4m3_slot_order``. A value's sign and ``eem`` sit 7 bits apart in the word (placed for BF16) but 3
 in E4M3, so each register is three masked shifts of the word; the slot order is the one that needs no more."""
-
-
-@triton.jit
-def bf16_block_factor(d):
-    """BF16 2**(126 + d) for int32 d <= 0 (0 where that underflows): times the 2**-126 placement gives 2**d."""
-    exp = tl.maximum(253 + d, 0)
-    return (exp << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)

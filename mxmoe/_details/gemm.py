@@ -12,7 +12,7 @@ is applied in the epilogue.
 import triton
 import triton.language as tl
 
-from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_KORDER_ASM, e2m1_to_bf16,
+from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, e2m1_to_bf16,
                       e2m1_to_e4m3_scaled_by_2pow_minus6, expand_blocks, pow2, prepared_codes, store_rounded)
 
 
@@ -43,7 +43,7 @@ def _e4m3_weights(words, BM: tl.constexpr, PURE: tl.constexpr):
         codes = tl.gather(prepared_codes(words, BM, 32), tl.broadcast_to(k[None, :], (BM, 32)), 1)
         return e2m1_to_e4m3_scaled_by_2pow_minus6(codes).to(tl.float8e4nv, bitcast=True)
     else:  # the Gluon kernel's asm: word q -> slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3
-        lo, hi = tl.inline_asm_elementwise(E2M1X8_TO_E4M3_KORDER_ASM, "=r,=r,r", [words], dtype=(tl.uint32, tl.uint32),
+        lo, hi = tl.inline_asm_elementwise(E2M1X8_TO_E4M3_SLOTS_ASM, "=r,=r,r", [words], dtype=(tl.uint32, tl.uint32),
                                            is_pure=True, pack=1)
         regs = tl.join(lo, hi)  # [BM, q, h]
         shift = (tl.arange(0, 4) * 8).to(tl.uint32)

@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_KORDER_ASM
+from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -430,7 +430,7 @@ def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constex
     stored word q gives lane q's slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3."""
     NB: gl.constexpr = BK // 32
     codes = packed_s.reshape([BM, NB, 4, 4]).load(_fragment_bytes_layout(BM, BK))
-    x, y = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_KORDER_ASM, "=r,=r,r", [codes], dtype=(gl.uint8, gl.uint8),
+    x, y = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_SLOTS_ASM, "=r,=r,r", [codes], dtype=(gl.uint8, gl.uint8),
                                      is_pure=True, pack=4)
     # [BM, NB, q, i, c] -> [BM, NB, c, q, i]: slot 16 c + 4 q + i of block b
     w = gl.join(x, y).permute((0, 1, 4, 2, 3)).reshape([BM, NB, 32]).to(gl.float8e4nv, bitcast=True)
@@ -677,9 +677,10 @@ def moe_gemm_small_kernel(
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
-    # programmatic dependent launch: wait for the previous kernel before reading what it wrote; GEMM2 with
-    # ``EARLY_WEIGHTS`` reads the route pack (complete before GEMM1 let it launch) and copies its first weight
-    # stages first (GEMM1 lets it launch once all GEMM1 programs run, so they load during GEMM1's tail)
+    # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
+    # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
+    # before it is either a plain launch (W4A8's row quantizer) or GEMM1, which lets it launch only after its
+    # own wait (so the pack is complete) once all GEMM1 programs run, and the copies overlap GEMM1's tail
     gl.static_assert(not EARLY_WEIGHTS or (KSPLIT == 1 and not GEMM1))
     if not EARLY_WEIGHTS:
         _wait_for_previous_kernel()
@@ -732,3 +733,7 @@ def moe_gemm_small_kernel(
             _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                       topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
                       FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)
+    elif EARLY_WEIGHTS:
+        # a program without a tile waits too: a kernel must not complete before the one it follows (else the
+        # next kernel's wait would not cover GEMM1, which may still be running)
+        _wait_for_previous_kernel()

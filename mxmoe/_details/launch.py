@@ -22,7 +22,8 @@ from .gemm import moe_gemm_kernel
 from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
-PDL = True  # programmatic dependent launch of the route pack, the small-tile GEMMs and the top-k sum on sm90
+PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
+# GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
 
@@ -81,7 +82,7 @@ def gemm2_pair_fits(n: int) -> bool:
 
 def gluon_tile_cap(fp8: bool) -> int:
     """Largest route tile of the Gluon kernels: W4A8 holds each K32 block's partial sums beside both
-    accumulators (the small-tile kernel reaches 252 registers at 64 rows), so 64 routed rows; W4A16 128."""
+    accumulators (the small-tile kernel needs 200-250 registers at 64 rows), so 64 routed rows; W4A16 128."""
     return 64 if fp8 else 128
 
 
@@ -139,11 +140,14 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # W4A8 GEMM1 with the conversion of prepared layout 3 (three masked shifts per E4M3 register): 128-K stages
         # spill on 64-row tiles; 64-K stages there, capped at 200 registers (H200, T=2048 0.955 -> 0.908 ms, T=8192
         # 3.08 -> 2.99 ms); 32-row tiles capped at 160 (T=1024 0.704 -> 0.622 ms). docs/perf-notes.md step 15
+        capped = None  # (block_rows, block_k) a register cap was measured for
         if fp8 and gemm1 and cfg["block_k"] == 128:
             if bt == 64:
                 cfg.update(block_k=64, num_stages=4, maxnreg=200)
+                capped = (64, 64)
             elif bt == 32:
                 cfg.update(maxnreg=160)
+                capped = (32, 128)
         # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
         # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
@@ -155,6 +159,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         if not gemm1 and gemm2_pair_fits(n) and (bt == 16 if fp8 else bt >= 32):
             cfg.update(pair=True)
         cfg.update(override)
+        if capped and "maxnreg" not in override and (cfg["block_rows"], cfg["block_k"]) != capped:
+            cfg["maxnreg"] = 0  # an override changed the tile the cap was measured for
         if k % cfg["block_k"]:
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
         if cfg["scale_words"] and (k % 128 or 128 % cfg["block_k"]):
