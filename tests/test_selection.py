@@ -207,7 +207,12 @@ def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
 
     cfg = gemm_config(rows, 288, 4096 if not gemm1 else 1024, k, fp8, kernel="gluon_small", gemm1=gemm1)
     assert (cfg.block_k, cfg.num_stages) == (block_k, stages)
-    capped = {32: 160, 64: 200} if fp8 and gemm1 and k % 128 == 0 else {}
+    import triton
+
+    from mxmoe._details.launch import gluon_validated
+
+    # register caps measured on the validated Triton only
+    capped = {32: 160, 64: 200} if fp8 and gemm1 and k % 128 == 0 and gluon_validated(triton.__version__) else {}
     assert cfg.maxnreg == capped.get(cfg.block_rows, 0)
     if capped:  # an override of the tile drops the cap measured for the default one; an explicit cap stays
         other = 128 if cfg.block_k == 64 else 64

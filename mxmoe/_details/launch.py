@@ -139,15 +139,19 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             cfg.update(block_k=128, num_stages=3 if bt <= 32 else 4)
         # W4A8 GEMM1 with the conversion of prepared layout 3 (three masked shifts per E4M3 register): 128-K stages
         # spill on 64-row tiles; 64-K stages there, capped at 200 registers (H200, T=2048 0.955 -> 0.908 ms, T=8192
-        # 3.08 -> 2.99 ms); 32-row tiles capped at 160 (T=1024 0.704 -> 0.622 ms). docs/perf-notes.md step 15
+        # 3.08 -> 2.99 ms); 32-row tiles capped at 160 (T=1024 0.704 -> 0.622 ms). docs/perf-notes.md step 15.
+        # The caps were measured on the validated Triton (3.8 spills 88 bytes under the 200 one)
         capped = None  # (block_rows, block_k) a register cap was measured for
         if fp8 and gemm1 and cfg["block_k"] == 128:
             if bt == 64:
-                cfg.update(block_k=64, num_stages=4, maxnreg=200)
+                cfg.update(block_k=64, num_stages=4)
                 capped = (64, 64)
             elif bt == 32:
-                cfg.update(maxnreg=160)
                 capped = (32, 128)
+            if capped and gluon_validated(triton.__version__):
+                cfg.update(maxnreg={64: 200, 32: 160}[bt])
+            else:
+                capped = None
         # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
         # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
