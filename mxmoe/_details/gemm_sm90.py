@@ -518,21 +518,17 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     if NH == 2:
         ref_u = gl.load(ref_ptr + w_row0 + half_rows + sm)[:, None]
 
-    if EARLY_WEIGHTS:  # prologue: stages 0 .. S-2 in flight, weights before the wait
-        for j in gl.static_range(NUM_STAGES - 1):
-            if j < num_steps:
-                _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK, 1)
+    # prologue: stages 0 .. S-2 in flight (with EARLY_WEIGHTS their weights before the wait, the rest after it)
+    for j in gl.static_range(NUM_STAGES - 1):
+        if j < num_steps:
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK,
+                         1 if EARLY_WEIGHTS else 0)
+    if EARLY_WEIGHTS:
         _wait_for_previous_kernel()
         for j in gl.static_range(NUM_STAGES - 1):
             if j < num_steps:
                 _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
                              BK, 2)
-    else:
-        for j in gl.static_range(NUM_STAGES - 1):  # prologue: stages 0 .. S-2 in flight
-            if j < num_steps:
-                _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero

@@ -89,6 +89,7 @@ def gluon_tile_cap(fp8: bool) -> int:
 GLUON_VALIDATED_TRITON = ("3.6",)  # major.minor releases the Gluon kernel was measured and tested on
 
 
+@functools.cache
 def gluon_validated(version: str) -> bool:
     """Whether ``auto`` may pick the Gluon kernel under Triton ``version`` (e.g. ``"3.6.0"``)."""
     return ".".join(version.split("+")[0].split(".")[:2]) in GLUON_VALIDATED_TRITON
@@ -142,16 +143,12 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # 3.08 -> 2.99 ms); 32-row tiles capped at 160 (T=1024 0.704 -> 0.622 ms). docs/perf-notes.md step 15.
         # The caps were measured on the validated Triton (3.8 spills 88 bytes under the 200 one)
         capped = None  # (block_rows, block_k) a register cap was measured for
-        if fp8 and gemm1 and cfg["block_k"] == 128:
+        if fp8 and gemm1 and cfg["block_k"] == 128 and bt in (32, 64):
             if bt == 64:
                 cfg.update(block_k=64, num_stages=4)
-                capped = (64, 64)
-            elif bt == 32:
-                capped = (32, 128)
-            if capped and gluon_validated(triton.__version__):
-                cfg.update(maxnreg={64: 200, 32: 160}[bt])
-            else:
-                capped = None
+            if gluon_validated(triton.__version__):
+                cfg.update(maxnreg=200 if bt == 64 else 160)
+                capped = (bt, cfg["block_k"])
         # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
         # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
@@ -317,10 +314,15 @@ def early_weights(gemm1: bool, cfg: GemmConfig) -> bool:
     return PDL and EARLY_WEIGHTS and not gemm1 and cfg.k_split == 1
 
 
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _pdl(device: torch.device, kernel_arg: bool = True) -> dict:
     """Launch options for programmatic dependent launch (Hopper): the kernel may start while the previous one
     in the stream finishes, and waits for it with ``griddepcontrol.wait`` before touching memory."""
-    if not PDL or device.type != "cuda" or interpreting() or torch.cuda.get_device_capability(device)[0] < 9:
+    if not PDL or interpreting() or not _has_pdl(device):
         return {}
     return dict(launch_pdl=True, **({"PDL": True} if kernel_arg else {}))
 
