@@ -9,7 +9,15 @@ Layout (``PreparedExperts``):
   slot order, :func:`e4m3_slot_order`), one 32-bit load per thread and block. Inside the word the 32 bits
   are placed so that one masked shift per value pair gives its BF16 sign and ``eem`` bits
   (``_details/convert.py``).
-* ``w13_scale`` uint8 ``[E, 2I, H/32]``; ``w2`` uint8 ``[E, H, I/2]`` (same byte order);
+  The rows are then stored in blocks of 64 (:func:`to_row_blocks`; an expert's last block may be shorter),
+  and a block's bytes in units of U bytes of every row (U = 64, i.e. 128 K, where K % 128 == 0; else 32
+  or 16: the largest that divides K/2): unit 0 of all 64 rows, then unit 1, .. So the 64 rows x 128 K
+  (or 64 K) that a kernel's pipeline stage copies are one contiguous piece of memory instead of 64
+  pieces of 64 (32) bytes, 2 KB apart (the H200's DRAM serves it 4-20 % faster: docs/perf-notes.md step 16).
+  The tensor keeps the shape ``[E, 2I, H/2]``, but row r's bytes are no longer at ``[e, r, :]``;
+  :meth:`PreparedExperts.source_order_weights` undoes both steps.
+* ``w13_scale`` uint8 ``[E, 2I, H/32]`` (row-major); ``w2`` uint8 ``[E, H, I/2]`` (same byte order and row
+  blocks);
   ``w2_scale`` uint8 ``[E, H, I/32]``.
 * ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
   largest scale byte). The W4A16 kernels fold ``2**(b - ref)`` into the BF16 weights (BF16
@@ -32,8 +40,10 @@ from .format import BLOCK_K, check_no_nan_scales, scales_as_uint8
 W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
 # the byte layout the kernels read; bumped when it changes (2: K32 blocks stored byte-transposed; 3: the bits
 # of each block's values placed for shift-and-mask conversion, interleave_block_bits), so that
-# experts prepared by another mxmoe version (e.g. unpickled) are refused instead of decoded wrongly
-LAYOUT_VERSION = 3
+# experts prepared by another mxmoe version (e.g. unpickled) are refused instead of decoded wrongly; 4: rows in
+# blocks of 64, unit-major inside a block, to_row_blocks)
+LAYOUT_VERSION = 4
+WEIGHT_BLOCK_ROWS = 64  # rows per block of the prepared weights (to_row_blocks)
 
 
 @dataclass
@@ -86,7 +96,7 @@ class PreparedExperts:
 
     def source_order_weights(self) -> tuple:
         """``(w13, w2)`` packed bytes in source order (``[gate; up]`` rows): what a plain MXFP4 decoder reads."""
-        return gather_block_bits(self.w13), gather_block_bits(self.w2)
+        return gather_block_bits(from_row_blocks(self.w13)), gather_block_bits(from_row_blocks(self.w2))
 
     def to(self, device) -> "PreparedExperts":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -151,6 +161,50 @@ def gather_block_bits(prepared: torch.Tensor) -> torch.Tensor:
         codes = codes.transpose(2, 3).reshape(n, -1, 2)  # K order: [row, K/2, nibble]
         out[r0:r0 + n] = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     return out.reshape(shape)
+
+
+def _row_block_regions(rows: int):
+    """(first row, rows) of each 64-row block of an expert's ``rows`` rows."""
+    return [(r0, min(WEIGHT_BLOCK_ROWS, rows - r0)) for r0 in range(0, rows, WEIGHT_BLOCK_ROWS)]
+
+
+def row_block_unit(k: int) -> int:
+    """Bytes per row in a unit of the prepared row blocks for reduction length ``k`` (:func:`to_row_blocks`)."""
+    return 64 if k % 128 == 0 else 32 if k % 64 == 0 else 16
+
+
+def _permute_row_blocks(t: torch.Tensor, to_blocks: bool) -> torch.Tensor:
+    if t.dim() != 3 or t.shape[-1] % 16:
+        raise ValueError(f"expected packed weights [E, rows, K/2] with K a multiple of 32, got {tuple(t.shape)}")
+    E, rows, kb = t.shape
+    unit = row_block_unit(2 * kb)
+    out = torch.empty_like(t)
+    experts = max(1, _CHUNK_BYTES * 16 // max(rows * kb, 1))  # bounded temporaries (one copy of the chunk)
+    for e0 in range(0, E, experts):
+        src = t[e0:e0 + experts]
+        for r0, h in _row_block_regions(rows):
+            region = src[:, r0:r0 + h]
+            n = region.shape[0]
+            if to_blocks:  # [n, h, unit, U bytes] -> [n, unit, h, U bytes]
+                moved = region.reshape(n, h, kb // unit, unit).transpose(1, 2)
+            else:
+                moved = region.reshape(n, kb // unit, h, unit).transpose(1, 2)
+            out[e0:e0 + n, r0:r0 + h] = moved.reshape(n, h, kb)
+    return out
+
+
+def to_row_blocks(packed: torch.Tensor) -> torch.Tensor:
+    """``[E, rows, K/2]`` row-major -> the prepared row blocks (same shape): each expert's rows in blocks of
+    ``WEIGHT_BLOCK_ROWS`` (the last one shorter when rows % 64 != 0), each block's bytes ordered
+    [unit][row in block][U bytes], U = :func:`row_block_unit` (K). So byte c of row r of expert e sits at
+    element offset ``e * rows * K/2 + r0 * K/2 + (c // U) * h * U + (r - r0) * U + c % U``, r0 = 64 * (r // 64),
+    h = min(64, rows - r0); :func:`from_row_blocks` is the inverse."""
+    return _permute_row_blocks(packed, True)
+
+
+def from_row_blocks(blocked: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`to_row_blocks`."""
+    return _permute_row_blocks(blocked, False)
 
 
 def e4m3_slot_order(x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +317,8 @@ def prepare_weights(
     s13_n = _to_gate_up(s13, w13_layout)
 
     return PreparedExperts(
-        w13=interleave_block_bits(w13_n), w13_scale=s13_n, w2=interleave_block_bits(w2), w2_scale=s2.contiguous(),
+        w13=to_row_blocks(interleave_block_bits(w13_n)), w13_scale=s13_n, w2=to_row_blocks(interleave_block_bits(w2)),
+        w2_scale=s2.contiguous(),
         w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,

@@ -375,10 +375,12 @@ def test_tp_shard_layouts_reassemble():
             n = I // world
             for r in range(world):
                 part = mxmoe.prepare_weights(**tp_shard_weights(*packed, rank=r, world_size=world, **full))
-                gate, up = whole.w13[:, r * n:(r + 1) * n], whole.w13[:, I + r * n:I + (r + 1) * n]
-                assert torch.equal(part.w13, torch.cat((gate, up), 1)), (layout, world, r)
+                # in source byte and row order (the prepared bytes are in 64-row blocks of each part's rows)
+                (w13_whole, w2_whole), (w13_part, w2_part) = whole.source_order_weights(), part.source_order_weights()
+                gate, up = w13_whole[:, r * n:(r + 1) * n], w13_whole[:, I + r * n:I + (r + 1) * n]
+                assert torch.equal(w13_part, torch.cat((gate, up), 1)), (layout, world, r)
                 assert torch.equal(part.b13, torch.cat((whole.b13[:, r * n:(r + 1) * n], whole.b13[:, I + r * n:I + (r + 1) * n]), 1))
-                assert torch.equal(part.w2, whole.w2[:, :, r * n // 2:(r + 1) * n // 2])
+                assert torch.equal(w2_part, w2_whole[:, :, r * n // 2:(r + 1) * n // 2])
                 assert torch.equal(part.w2_scale, whole.w2_scale[:, :, r * n // 32:(r + 1) * n // 32])
                 assert (part.b2 is not None) == (r == 0)
 

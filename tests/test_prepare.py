@@ -102,14 +102,15 @@ def test_prepared_words_place_each_value_pair_for_one_masked_shift():
     eem bits (sign at 15 + 16c, eem at 8..6 + 16c) are the word masked (j = 0), shifted left by 4 (j = 1),
     rotated left by 10 (j = 2), or shifted left by 6 and right by 2 (j = 3), as the kernels' conversion
     reads them; every bit of the block is used once, and gather_block_bits undoes it."""
-    from mxmoe.prepare import gather_block_bits, interleave_block_bits
+    from mxmoe.prepare import from_row_blocks, gather_block_bits, interleave_block_bits
 
     src, _ = source_in_layout("gate_up", seed=5)
     experts = prepare_weights(**src)
     w = src["w2"]
-    assert torch.equal(gather_block_bits(experts.w2), w) and torch.equal(interleave_block_bits(w), experts.w2)
+    rows_major = from_row_blocks(experts.w2)
+    assert torch.equal(gather_block_bits(rows_major), w) and torch.equal(interleave_block_bits(w), rows_major)
     codes = torch.stack((w & 15, w >> 4), -1).reshape(*w.shape[:-1], -1)  # K order
-    words = experts.w2.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = rows_major.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     mask = 0x81C081C0
     regs = [words & mask, (words << 4) & mask, ((words << 10) | (words >> 22)) & mask,
             ((words << 6) & 0x80C080C0) | ((words >> 2) & 0x01000100)]
@@ -123,6 +124,28 @@ def test_prepared_words_place_each_value_pair_for_one_masked_shift():
         one = torch.zeros(1, 16, dtype=torch.uint8)
         one[0, bit // 8] = 1 << (bit % 8)
         assert sum(bin(int(b)).count("1") for b in interleave_block_bits(one)[0]) == 1
+
+
+def test_row_blocks_place_each_byte_at_its_documented_offset():
+    """to_row_blocks puts byte c of row r of expert e at e*rows*K/2 + r0*K/2 + (c//U)*h*U + (r-r0)*U + c%U
+    (r0 = 64*(r//64), h = min(64, rows - r0): the last block of an expert may be shorter; U = 64 bytes where
+    K % 128 == 0, else 32 where K % 64 == 0, else 16), which is how the kernels address it; from_row_blocks
+    inverts it; rows that fill whole blocks and rows that do not, every unit width."""
+    from mxmoe.prepare import from_row_blocks, row_block_unit, to_row_blocks
+
+    assert [row_block_unit(k) for k in (128, 4096, 2880, 64, 96, 32)] == [64, 64, 32, 32, 16, 16]
+    for E_, rows, kb in ((2, 128, 48), (3, 100, 32), (1, 40, 16), (2, 64, 16), (2, 130, 64), (1, 70, 192)):
+        src = torch.arange(E_ * rows * kb, dtype=torch.int64)
+        t = (src % 251).to(torch.uint8).reshape(E_, rows, kb)
+        blocked = to_row_blocks(t)
+        assert blocked.shape == t.shape and torch.equal(from_row_blocks(blocked), t)
+        flat = blocked.reshape(-1)
+        e, r, c = torch.meshgrid(torch.arange(E_), torch.arange(rows), torch.arange(kb), indexing="ij")
+        r0 = (r // 64) * 64
+        h = torch.clamp(rows - r0, max=64)
+        u = row_block_unit(2 * kb)
+        off = e * rows * kb + r0 * kb + (c // u) * h * u + (r - r0) * u + c % u
+        assert torch.equal(flat[off.reshape(-1)], t.reshape(-1)), (E_, rows, kb)
 
 
 def test_prepared_properties_and_global_scales():

@@ -62,7 +62,7 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
     multiplies the FP8 MMA's partial sum into the FP32 accumulator: exact for any span of
     scales, and Hopper's reduced-precision FP8 accumulation never runs past 32 products.
     """
-    words = tl.load(w_ptrs)
+    words = tl.load(w_ptrs).permute(1, 0, 2).reshape(BM, BK // 8)  # [block, row, word] -> [row, K words]
     sc = tl.load(s_ptrs).to(tl.int32)
     if FP8:  # the activations come in slot order (the row quantizer), so the weights go the same way
         w = _e4m3_weights(words, BM, PURE)
@@ -80,10 +80,25 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
 
 
 @triton.jit
-def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, up_off, K,
+def _row_block_words(w_e, row0, n_rows, K, k0, BM: tl.constexpr, BK: tl.constexpr):
+    """int32 pointers [BK/32, BM, 4] to the prepared words of K step ``k0`` (K32 block, row, word) of an
+    expert's weight rows row0 .. row0 + BM - 1 (of ``n_rows``; BM divides 64 and row0, so the rows share one
+    block) in the 64-row blocks of ``prepare.to_row_blocks``: a block of h rows is [unit][row][U bytes]."""
+    r0 = (row0 // 64) * 64
+    h = tl.minimum(n_rows - r0, 64)
+    unit = tl.where(K % 128 == 0, 64, tl.where(K % 64 == 0, 32, 16))  # prepare.row_block_unit
+    c = k0 // 2 + tl.arange(0, BK // 32) * 16  # byte of each K32 block in its row
+    byte = r0 * (K // 2) + (c // unit) * (h * unit) + c % unit
+    return (w_e.to(tl.pointer_type(tl.int32), bitcast=True) + (byte // 4)[:, None, None]
+            + ((row0 - r0 + tl.arange(0, BM)) * (unit // 4))[None, :, None] + tl.arange(0, 4)[None, None, :])
+
+
+@triton.jit
+def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e, n_rows, n0, s_base, ref_base, up_off, K,
                GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                PURE: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """FP32 [BM, BT] tiles W[rows] · A[a_row]ᵀ (and the up rows' for GLU), every weight scale applied."""
+    """FP32 [BM, BT] tiles W[rows] · A[a_row]ᵀ (and the up rows' for GLU), every weight scale applied: the
+    weight rows n0 .. n0 + BM - 1 (and ``up_off`` further) of the expert's ``n_rows`` at ``w_e``."""
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     ref_g = tl.load(ref_base + offs_m)
@@ -93,17 +108,16 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_base, s_base, ref_base, up_off,
     acc_g = tl.zeros((BM, BT), dtype=tl.float32)
     acc_u = tl.zeros((BM, BT), dtype=tl.float32)
     a_ptrs = a_ptr + a_row[None, :] * stride_a + offs_k[:, None]
-    # the packed weights as 32-bit words (``prepare.interleave_block_bits``)
-    w_ptrs = w_base.to(tl.pointer_type(tl.int32), bitcast=True) + offs_m[:, None] * (K // 8) + tl.arange(0, BK // 8)[None, :]
     s_ptrs = s_base + offs_m[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+        # the packed weights as 32-bit words (``prepare.interleave_block_bits``) in their 64-row blocks
+        w_ptrs = _row_block_words(w_e, n0, n_rows, K, k0, BM, BK)
         acc_g = _tile_mma(acc_g, w_ptrs, s_ptrs, a, ref_g, FP8, BM, BK, PURE)
         if GLU:  # the up rows, ``up_off`` rows further, share the activation tile
-            acc_u = _tile_mma(acc_u, w_ptrs + up_off * (K // 8), s_ptrs + up_off * (K // 32), a, ref_u,
-                              FP8, BM, BK, PURE)
+            u_ptrs = _row_block_words(w_e, n0 + up_off, n_rows, K, k0, BM, BK)
+            acc_u = _tile_mma(acc_u, u_ptrs, s_ptrs + up_off * (K // 32), a, ref_u, FP8, BM, BK, PURE)
         a_ptrs += BK
-        w_ptrs += BK // 8
         s_ptrs += BK // 32
     if FP8:
         return acc_g, acc_u
@@ -152,7 +166,7 @@ def moe_gemm_kernel(
     if HAS_GSCALE:
         col_scale = col_scale * tl.load(gscale_ptr + expert)
 
-    g, u = _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e + n0 * (K // 2), s_e + n0 * (K // 32), ref_e + n0,
+    g, u = _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e, n_weight_rows, n0, s_e + n0 * (K // 32), ref_e + n0,
                       N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES)
     y = g * col_scale[None, :]
     if HAS_BIAS:

@@ -90,11 +90,13 @@ def _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.cons
 
 @gluon.jit
 def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
-                   GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr):
+                   GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, U: gl.constexpr):
     """16-B ``cp.async`` sources of a tile's first K step, for the calling partition's warps: packed rows
-    [BM, BK/2] (BK/2 bytes = BK/32 chunks of 16 B) and the gathered activation rows [BT, BK] (GEMM1 the
+    [BM, BK/2] (BK/2 bytes = BK/32 K32 blocks of 16 B) and the gathered activation rows [BT, BK] (GEMM1 the
     token of each route, GEMM2 the slot itself); ``ok`` marks rows holding a route. Also the packed row
-    stride in bytes."""
+    stride in bytes. The packed rows are in the prepared 64-row blocks of ``U``-byte units
+    (``prepare.to_row_blocks``; ``w_row0`` and the rows per expert are multiples of 64): a step's [64, BK/2]
+    bytes are one contiguous piece where BK/2 >= U (``_issue_stage`` adds the step's offset)."""
     NC: gl.constexpr = BK // 32
     PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
     EPV: gl.constexpr = 128 // a_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-B copy
@@ -103,7 +105,9 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
     row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
     pm = gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
     pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
-    w_ptrs = w_ptr + (w_row0 + pm.to(gl.int64))[:, None] * row_bytes + pk[None, :]
+    # row block (pm // 64), unit (pk // U) of 64 rows x U bytes, row in the block, byte
+    w_ptrs = (w_ptr + ((w_row0 + (pm // 64) * 64).to(gl.int64) * row_bytes + (pm % 64) * U)[:, None]
+              + (pk + (pk // U) * (64 * U - U))[None, :])
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
     routes = gl.load(routes_ptr + slots)
     ok = routes >= 0
@@ -116,8 +120,17 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
 
 
 @gluon.jit
+def _step_offset(step, BK: gl.constexpr, U: gl.constexpr):
+    """Bytes from K step 0 to K step ``step`` in the prepared row blocks (64 rows x U bytes per unit)."""
+    if BK // 2 >= U:
+        return step * (64 * BK // 2)
+    else:  # G = 2U/BK steps per unit
+        return (step // (2 * U // BK)) * (64 * U) + (step % (2 * U // BK)) * (BK // 2)
+
+
+@gluon.jit
 def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, slot, step, NH: gl.constexpr,
-                 BK: gl.constexpr, PART: gl.constexpr = 0):
+                 BK: gl.constexpr, U: gl.constexpr, PART: gl.constexpr = 0):
     """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
     of each half (``half_rows`` apart) and the gathered activation rows; every calling thread then arrives on
     the slot's ``loaded`` barrier once its own copies have landed (count = the calling threads). ``PART`` 1:
@@ -125,7 +138,7 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
     if PART != 2:
         for h in gl.static_range(NH):
             async_copy.async_copy_global_to_shared(packed.index(slot * NH + h),
-                                                   w_ptrs + h * half_rows * row_bytes + step * (BK // 2))
+                                                   w_ptrs + h * half_rows * row_bytes + _step_offset(step, BK, U))
     if PART != 1:
         async_copy.async_copy_global_to_shared(act.index(slot), a_ptrs + step * BK, mask=ok[:, None])
         async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
@@ -135,18 +148,18 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
 def _loader(w_ptr, a_ptr, stride_a, routes_ptr, tile_expert_ptr, first, end, stride, top_k, N, K, num_k,
             packed, act, loaded, consumed,
             GEMM1: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-            NUM_STAGES: gl.constexpr):
+            NUM_STAGES: gl.constexpr, U: gl.constexpr):
     n_blocks = N // BM
     c0 = 0  # ring steps of the program's earlier tiles
     for tile in range(first, end, stride):
         expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, NH, BM, BT)
         w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
-                                                       GEMM1, BM, BT, BK)
+                                                       GEMM1, BM, BT, BK, U)
         for i in range(num_k):
             c = c0 + i
             s = c % NUM_STAGES
             mbarrier.wait(consumed.index(s), ((c // NUM_STAGES) & 1) ^ 1)
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, s, i, NH, BK)
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, N, row_bytes, s, i, NH, BK, U)
         c0 += num_k
 
 
@@ -358,7 +371,7 @@ def moe_gemm_ws_kernel(
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     LOADER_REGS: gl.constexpr = 48, CONVERTER_REGS: gl.constexpr = 112,
-    OUT_I64: gl.constexpr = True,
+    OUT_I64: gl.constexpr = True, W_UNIT: gl.constexpr = 64,
 ):
     """The ``moe_gemm_kernel`` contract on sm90 for W4A16 (see the module docstring); requires
     ``N % BM == 0`` and ``K % BK == 0``. Persistent: a 1-D grid of at most one program per SM, each
@@ -391,7 +404,7 @@ def moe_gemm_ws_kernel(
                                  wconv, act, loaded, converted, consumed,
                                  GEMM1, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, NUM_STAGES, OUT_I64)),
             (_loader, (w_ptr, a_ptr, stride_a, sorted_routes_ptr, tile_expert_ptr, first, end, stride, top_k, N, K, num_k,
-                       packed, act, loaded, consumed, GEMM1, NH, BM, BT, BK, NUM_STAGES)),
+                       packed, act, loaded, consumed, GEMM1, NH, BM, BT, BK, NUM_STAGES, W_UNIT)),
             (_converter, (s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k, packed, wconv,
                           loaded, converted, consumed, NH, BM, BK, NUM_STAGES)),
         ], [LOADER_WARPS, CONVERTER_WARPS], [LOADER_REGS, CONVERTER_REGS])
@@ -493,7 +506,7 @@ def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: g
 def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 SCALE_WORDS: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False):
+                 SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(ref - 127) per row). ``EARLY_WEIGHTS``:
@@ -506,7 +519,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
-                                                   w_row0, K, GEMM1, BM, BT, BK)
+                                                   w_row0, K, GEMM1, BM, BT, BK, U)
 
     # scale bytes and the row references, one value per (row, block) of the thread's operand
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
@@ -521,14 +534,14 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     # prologue: stages 0 .. S-2 in flight (with EARLY_WEIGHTS their weights before the wait, the rest after it)
     for j in gl.static_range(NUM_STAGES - 1):
         if j < num_steps:
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK,
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK, U,
                          1 if EARLY_WEIGHTS else 0)
     if EARLY_WEIGHTS:
         _wait_for_previous_kernel()
         for j in gl.static_range(NUM_STAGES - 1):
             if j < num_steps:
                 _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK, 2)
+                             BK, U, 2)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -577,7 +590,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                 nxt = i + NUM_STAGES - 1
                 if nxt < num_steps:
                     _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
-                                 first_step + nxt, NH, BK)
+                                 first_step + nxt, NH, BK, U)
                 if SCALE_WORDS:
                     shift = (8 * (g * NB + sb))[None, :]
                     sc_g = (cur_wg[:, None] >> shift) & 0xFF
@@ -634,13 +647,13 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
 def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                            half_rows, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr,
                            NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr):
+                           NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr):
     """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
     (shared), then one arrive on ``done``."""
     _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, first_step, num_steps, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                SCALE_WORDS)
+                                SCALE_WORDS, U)
     partial.index(0).store(acc_g)
     if NH == 2:
         partial.index(1).store(acc_u)
@@ -658,7 +671,7 @@ def moe_gemm_small_kernel(
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
-    PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False,
+    PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -669,7 +682,8 @@ def moe_gemm_small_kernel(
     into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
     SM count): a second warpgroup runs the second half of the K steps on its own ring. ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
-    wgmma each per step), so one block's conversion runs while the other's MMA does."""
+    wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
+    row blocks' unit, ``prepare.row_block_unit(K)``."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
@@ -698,7 +712,7 @@ def moe_gemm_small_kernel(
         if KSPLIT == 1:
             acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
                                         w_row0, slot0, half_rows, K, top_k, 0, num_k, GEMM1, NH, FP8, BM, BT, BK,
-                                        NUM_STAGES, SCALE_WORDS, EARLY_WEIGHTS)
+                                        NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS)
         else:
             # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
             # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
@@ -711,10 +725,11 @@ def moe_gemm_small_kernel(
             half = (num_k // (2 * G)) * G
             acc_g, acc_u = gl.warp_specialize([
                 (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
-                                slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS)),
+                                slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS,
+                                W_UNIT)),
                 (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
                                           w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial, done, GEMM1,
-                                          NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS)),
+                                          NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT)),
             ], [4], [SPLIT_WORKER_REGS])
             mbarrier.wait(done, 0)
             acc_g = acc_g + partial.index(0).load(MMA)

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
-from ..prepare import PreparedExperts
+from ..prepare import PreparedExperts, row_block_unit
 from ..routing import RoutePack, route_pack_capacity
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
@@ -340,7 +340,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         extra = dict(PURE=interpreting())
     else:  # the Gluon kernels (no interpreter form)
         kernel = _gluon_kernel(cfg.kernel)
-        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
+        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31, W_UNIT=row_block_unit(k))
         if cfg.kernel == "gluon":  # persistent: at most one program per SM
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)

@@ -63,7 +63,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
 
         from .launch import _gluon_kernel
         kernel, source = _gluon_kernel(cfg.kernel), GluonASTSource
-        const.update(OUT_I64=False)
+        const.update(OUT_I64=False, W_UNIT=64)  # W_UNIT: the weights' unit where K % 128 == 0
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":  # as launched on sm90 (programmatic dependent launch)
