@@ -115,6 +115,7 @@ def check_layout_version(experts: "PreparedExperts") -> None:
 
 _PAIR_MASK = 0x81C081C0  # BF16 bits of two E2M1 values times 2**-126: sign at 15 (+16), eem at 8..6 (+16)
 _CHUNK_BYTES = 1 << 22  # packed bytes per step of the bit placement (its int64 temporaries are ~70x that)
+_EXPERT_CHUNK_BYTES = 1 << 26  # packed bytes per step of the row-block placement (one copy of them at a time)
 
 
 def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -163,11 +164,6 @@ def gather_block_bits(prepared: torch.Tensor) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def _row_block_regions(rows: int):
-    """(first row, rows) of each 64-row block of an expert's ``rows`` rows."""
-    return [(r0, min(WEIGHT_BLOCK_ROWS, rows - r0)) for r0 in range(0, rows, WEIGHT_BLOCK_ROWS)]
-
-
 def row_block_unit(k: int) -> int:
     """Bytes per row in a unit of the prepared row blocks for reduction length ``k`` (:func:`to_row_blocks`)."""
     return 64 if k % 128 == 0 else 32 if k % 64 == 0 else 16
@@ -179,17 +175,23 @@ def _permute_row_blocks(t: torch.Tensor, to_blocks: bool) -> torch.Tensor:
     E, rows, kb = t.shape
     unit = row_block_unit(2 * kb)
     out = torch.empty_like(t)
-    experts = max(1, _CHUNK_BYTES * 16 // max(rows * kb, 1))  # bounded temporaries (one copy of the chunk)
+    experts = max(1, _EXPERT_CHUNK_BYTES // max(rows * kb, 1))  # bounded temporaries (one copy of a chunk)
+    full = rows - rows % WEIGHT_BLOCK_ROWS
     for e0 in range(0, E, experts):
         src = t[e0:e0 + experts]
-        for r0, h in _row_block_regions(rows):
-            region = src[:, r0:r0 + h]
-            n = region.shape[0]
-            if to_blocks:  # [n, h, unit, U bytes] -> [n, unit, h, U bytes]
-                moved = region.reshape(n, h, kb // unit, unit).transpose(1, 2)
+        n = src.shape[0]
+        # whole blocks: [n, block, 64 rows, unit, U bytes] <-> [n, block, unit, 64 rows, U bytes]; then the
+        # last, shorter block of h rows the same way
+        for r0, r1, h in ((0, full, WEIGHT_BLOCK_ROWS), (full, rows, rows - full)):
+            if r1 <= r0:
+                continue
+            nb = (r1 - r0) // h
+            region = src[:, r0:r1]
+            if to_blocks:
+                moved = region.reshape(n, nb, h, kb // unit, unit).transpose(2, 3)
             else:
-                moved = region.reshape(n, kb // unit, h, unit).transpose(1, 2)
-            out[e0:e0 + n, r0:r0 + h] = moved.reshape(n, h, kb)
+                moved = region.reshape(n, nb, kb // unit, h, unit).transpose(2, 3)
+            out[e0:e0 + n, r0:r1] = moved.reshape(n, r1 - r0, kb)
     return out
 
 
@@ -205,6 +207,18 @@ def to_row_blocks(packed: torch.Tensor) -> torch.Tensor:
 def from_row_blocks(blocked: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`to_row_blocks`."""
     return _permute_row_blocks(blocked, False)
+
+
+def _prepared_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """Source-order packed E2M1 ``[E, rows, K/2]`` -> the prepared bytes (:func:`interleave_block_bits`, then
+    :func:`to_row_blocks`), a chunk of experts at a time: the peak memory is the result plus a chunk's
+    temporaries."""
+    out = torch.empty_like(packed)
+    E, rows, kb = packed.shape
+    experts = max(1, _EXPERT_CHUNK_BYTES // max(rows * kb, 1))
+    for e0 in range(0, E, experts):
+        out[e0:e0 + experts] = to_row_blocks(interleave_block_bits(packed[e0:e0 + experts]))
+    return out
 
 
 def e4m3_slot_order(x: torch.Tensor) -> torch.Tensor:
@@ -317,8 +331,7 @@ def prepare_weights(
     s13_n = _to_gate_up(s13, w13_layout)
 
     return PreparedExperts(
-        w13=to_row_blocks(interleave_block_bits(w13_n)), w13_scale=s13_n, w2=to_row_blocks(interleave_block_bits(w2)),
-        w2_scale=s2.contiguous(),
+        w13=_prepared_bytes(w13_n), w13_scale=s13_n, w2=_prepared_bytes(w2), w2_scale=s2.contiguous(),
         w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
