@@ -96,7 +96,7 @@ class PreparedExperts:
 
     def source_order_weights(self) -> tuple:
         """``(w13, w2)`` packed bytes in source order (``[gate; up]`` rows): what a plain MXFP4 decoder reads."""
-        return gather_block_bits(from_row_blocks(self.w13)), gather_block_bits(from_row_blocks(self.w2))
+        return _source_bytes(self.w13), _source_bytes(self.w2)
 
     def to(self, device) -> "PreparedExperts":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -115,7 +115,7 @@ def check_layout_version(experts: "PreparedExperts") -> None:
 
 _PAIR_MASK = 0x81C081C0  # BF16 bits of two E2M1 values times 2**-126: sign at 15 (+16), eem at 8..6 (+16)
 _CHUNK_BYTES = 1 << 22  # packed bytes per step of the bit placement (its int64 temporaries are ~70x that)
-_EXPERT_CHUNK_BYTES = 1 << 26  # packed bytes per step of the row-block placement (one copy of them at a time)
+_EXPERT_CHUNK_BYTES = 1 << 26  # packed bytes of experts prepared (or decoded) per step
 
 
 def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -175,23 +175,19 @@ def _permute_row_blocks(t: torch.Tensor, to_blocks: bool) -> torch.Tensor:
     E, rows, kb = t.shape
     unit = row_block_unit(2 * kb)
     out = torch.empty_like(t)
-    experts = max(1, _EXPERT_CHUNK_BYTES // max(rows * kb, 1))  # bounded temporaries (one copy of a chunk)
     full = rows - rows % WEIGHT_BLOCK_ROWS
-    for e0 in range(0, E, experts):
-        src = t[e0:e0 + experts]
-        n = src.shape[0]
-        # whole blocks: [n, block, 64 rows, unit, U bytes] <-> [n, block, unit, 64 rows, U bytes]; then the
-        # last, shorter block of h rows the same way
-        for r0, r1, h in ((0, full, WEIGHT_BLOCK_ROWS), (full, rows, rows - full)):
-            if r1 <= r0:
-                continue
-            nb = (r1 - r0) // h
-            region = src[:, r0:r1]
-            if to_blocks:
-                moved = region.reshape(n, nb, h, kb // unit, unit).transpose(2, 3)
-            else:
-                moved = region.reshape(n, nb, kb // unit, h, unit).transpose(2, 3)
-            out[e0:e0 + n, r0:r1] = moved.reshape(n, r1 - r0, kb)
+    # whole blocks: [E, block, 64 rows, unit, U bytes] <-> [E, block, unit, 64 rows, U bytes]; then the last,
+    # shorter block of h rows the same way
+    for r0, r1, h in ((0, full, WEIGHT_BLOCK_ROWS), (full, rows, rows - full)):
+        if r1 <= r0:
+            continue
+        nb = (r1 - r0) // h
+        region = t[:, r0:r1]
+        if to_blocks:
+            moved = region.reshape(E, nb, h, kb // unit, unit).transpose(2, 3)
+        else:
+            moved = region.reshape(E, nb, kb // unit, h, unit).transpose(2, 3)
+        out[:, r0:r1] = moved.reshape(E, r1 - r0, kb)
     return out
 
 
@@ -209,16 +205,26 @@ def from_row_blocks(blocked: torch.Tensor) -> torch.Tensor:
     return _permute_row_blocks(blocked, False)
 
 
-def _prepared_bytes(packed: torch.Tensor) -> torch.Tensor:
-    """Source-order packed E2M1 ``[E, rows, K/2]`` -> the prepared bytes (:func:`interleave_block_bits`, then
-    :func:`to_row_blocks`), a chunk of experts at a time: the peak memory is the result plus a chunk's
-    temporaries."""
-    out = torch.empty_like(packed)
-    E, rows, kb = packed.shape
+def _by_expert_chunks(t: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` on chunks of experts of ``t [E, rows, K/2]`` (same shape out): the peak memory is the result plus
+    one chunk's temporaries."""
+    out = torch.empty_like(t)
+    E, rows, kb = t.shape
     experts = max(1, _EXPERT_CHUNK_BYTES // max(rows * kb, 1))
     for e0 in range(0, E, experts):
-        out[e0:e0 + experts] = to_row_blocks(interleave_block_bits(packed[e0:e0 + experts]))
+        out[e0:e0 + experts] = fn(t[e0:e0 + experts])
     return out
+
+
+def _prepared_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """Source-order packed E2M1 ``[E, rows, K/2]`` -> the prepared bytes (:func:`interleave_block_bits`, then
+    :func:`to_row_blocks`); :func:`_source_bytes` is the inverse."""
+    return _by_expert_chunks(packed, lambda c: to_row_blocks(interleave_block_bits(c)))
+
+
+def _source_bytes(prepared: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_prepared_bytes`."""
+    return _by_expert_chunks(prepared, lambda c: gather_block_bits(from_row_blocks(c)))
 
 
 def e4m3_slot_order(x: torch.Tensor) -> torch.Tensor:

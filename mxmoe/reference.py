@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .format import dequantize_mxfp4
-from .prepare import PreparedExperts, from_row_blocks, gather_block_bits
+from .prepare import PreparedExperts, _source_bytes
 from .routing import local_expert_ids
 
 FP8_MAX = 448.0
@@ -71,8 +71,8 @@ def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
 
 def decode_expert(experts: PreparedExperts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ``e``'s weights as FP32 ``(w13 [2I, H] gate_up, w2 [H, I])``, global scales applied."""
-    w13 = dequantize_mxfp4(gather_block_bits(from_row_blocks(experts.w13[e:e + 1])[0]), experts.w13_scale[e])
-    w2 = dequantize_mxfp4(gather_block_bits(from_row_blocks(experts.w2[e:e + 1])[0]), experts.w2_scale[e])
+    w13 = dequantize_mxfp4(_source_bytes(experts.w13[e:e + 1])[0], experts.w13_scale[e])
+    w2 = dequantize_mxfp4(_source_bytes(experts.w2[e:e + 1])[0], experts.w2_scale[e])
     if experts.w13_global_scale is not None:
         w13 = w13 * experts.w13_global_scale[e]
     if experts.w2_global_scale is not None:

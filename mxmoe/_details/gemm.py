@@ -80,23 +80,22 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
 
 
 @triton.jit
-def _row_block_words(w_e, row0, n_rows, K, k0, BM: tl.constexpr, BK: tl.constexpr):
+def _row_block_words(w_e, row0, n_rows, K, k0, BM: tl.constexpr, BK: tl.constexpr, U: tl.constexpr):
     """int32 pointers [BK/32, BM, 4] to the prepared words of K step ``k0`` (K32 block, row, word) of an
     expert's weight rows row0 .. row0 + BM - 1 (of ``n_rows``; BM divides 64 and row0, so the rows share one
     block) in the 64-row blocks of ``prepare.to_row_blocks``: a block of h rows is [unit][row][U bytes]."""
     r0 = (row0 // 64) * 64
     h = tl.minimum(n_rows - r0, 64)
-    unit = tl.where(K % 128 == 0, 64, tl.where(K % 64 == 0, 32, 16))  # prepare.row_block_unit
     c = k0 // 2 + tl.arange(0, BK // 32) * 16  # byte of each K32 block in its row
-    byte = r0 * (K // 2) + (c // unit) * (h * unit) + c % unit
+    byte = r0 * (K // 2) + (c // U) * (h * U) + c % U
     return (w_e.to(tl.pointer_type(tl.int32), bitcast=True) + (byte // 4)[:, None, None]
-            + ((row0 - r0 + tl.arange(0, BM)) * (unit // 4))[None, :, None] + tl.arange(0, 4)[None, None, :])
+            + ((row0 - r0 + tl.arange(0, BM)) * (U // 4))[None, :, None] + tl.arange(0, 4)[None, None, :])
 
 
 @triton.jit
 def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e, n_rows, n0, s_base, ref_base, up_off, K,
                GLU: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               PURE: tl.constexpr, NUM_STAGES: tl.constexpr):
+               PURE: tl.constexpr, NUM_STAGES: tl.constexpr, U: tl.constexpr):
     """FP32 [BM, BT] tiles W[rows] · A[a_row]ᵀ (and the up rows' for GLU), every weight scale applied: the
     weight rows n0 .. n0 + BM - 1 (and ``up_off`` further) of the expert's ``n_rows`` at ``w_e``."""
     offs_m = tl.arange(0, BM)
@@ -112,10 +111,10 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e, n_rows, n0, s_base, ref_base
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
         # the packed weights as 32-bit words (``prepare.interleave_block_bits``) in their 64-row blocks
-        w_ptrs = _row_block_words(w_e, n0, n_rows, K, k0, BM, BK)
+        w_ptrs = _row_block_words(w_e, n0, n_rows, K, k0, BM, BK, U)
         acc_g = _tile_mma(acc_g, w_ptrs, s_ptrs, a, ref_g, FP8, BM, BK, PURE)
         if GLU:  # the up rows, ``up_off`` rows further, share the activation tile
-            u_ptrs = _row_block_words(w_e, n0 + up_off, n_rows, K, k0, BM, BK)
+            u_ptrs = _row_block_words(w_e, n0 + up_off, n_rows, K, k0, BM, BK, U)
             acc_u = _tile_mma(acc_u, u_ptrs, s_ptrs + up_off * (K // 32), a, ref_u, FP8, BM, BK, PURE)
         a_ptrs += BK
         s_ptrs += BK // 32
@@ -134,12 +133,13 @@ def moe_gemm_kernel(
     GEMM1: tl.constexpr, SWIGLUOAI: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GSCALE: tl.constexpr,
     BM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    PURE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PURE: tl.constexpr, NUM_STAGES: tl.constexpr, W_UNIT: tl.constexpr,
 ):
     """GEMM1 (``GEMM1``): rows of x gathered by route, gate and up halves of W13, bias,
     activation -> intermediate[slot, :N] (BF16, or FP32 for W4A8's row requantization).
     GEMM2: intermediate[slot] · W2ᵀ, bias, routing weight -> y[route, :N] (BF16).
-    ``N`` is the output width (I for GEMM1, H for GEMM2); the weight has N rows (2N for GEMM1).
+    ``N`` is the output width (I for GEMM1, H for GEMM2); the weight has N rows (2N for GEMM1), in the
+    prepared 64-row blocks of ``W_UNIT``-byte units (``prepare.row_block_unit``).
     """
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -167,7 +167,7 @@ def moe_gemm_kernel(
         col_scale = col_scale * tl.load(gscale_ptr + expert)
 
     g, u = _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e, n_weight_rows, n0, s_e + n0 * (K // 32), ref_e + n0,
-                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES)
+                      N, K, GEMM1, FP8, BM, BT, BK, PURE, NUM_STAGES, W_UNIT)
     y = g * col_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert * n_weight_rows + offs_n)[:, None]

@@ -340,7 +340,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         extra = dict(PURE=interpreting())
     else:  # the Gluon kernels (no interpreter form)
         kernel = _gluon_kernel(cfg.kernel)
-        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31, W_UNIT=row_block_unit(k))
+        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.kernel == "gluon":  # persistent: at most one program per SM
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
@@ -358,7 +358,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         out, out.stride(0), topk_weights,
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
-        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages, W_UNIT=row_block_unit(k),
         num_warps=cfg.num_warps, **extra,
     )
 

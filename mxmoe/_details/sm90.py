@@ -54,7 +54,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                num_tiles_ptr="*i32", out_ptr=out_ty, stride_out="i32", topk_weights_ptr="*fp32",
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
-                 BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages)
+                 BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages,
+                 W_UNIT=64)  # the weights' unit where K % 128 == 0 (prepare.row_block_unit)
     if cfg.kernel == "triton":
         kernel, source = moe_gemm_kernel, ASTSource
         const.update(PURE=False)
@@ -63,7 +64,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
 
         from .launch import _gluon_kernel
         kernel, source = _gluon_kernel(cfg.kernel), GluonASTSource
-        const.update(OUT_I64=False, W_UNIT=64)  # W_UNIT: the weights' unit where K % 128 == 0
+        const.update(OUT_I64=False)
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":  # as launched on sm90 (programmatic dependent launch)
