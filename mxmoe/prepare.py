@@ -20,8 +20,9 @@ Layout (``PreparedExperts``):
   blocks);
   ``w2_scale`` uint8 ``[E, H, I/32]``.
 * ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
-  largest scale byte). The W4A16 kernels fold ``2**(b - ref)`` into the BF16 weights (BF16
-  holds any fold exactly) and apply ``2**(ref - 127)`` once per row in the FP32 epilogue.
+  largest scale byte). The W4A16 kernels fold ``2**(b - r)``, r = min(ref, 253), into the BF16
+  weights (BF16 holds any fold exactly; ``_details.convert.FOLD_REF_MAX``) and apply ``2**(r - 127)``
+  once per row in the FP32 epilogue.
   The W4A8 kernels need no span metadata: they run one FP8 MMA per K32 block on
   E2M1 * 2**-6 (exact in E4M3) and scale its partial sum by the block's scale in FP32, so
   rows of any scale span are exact.

@@ -79,3 +79,23 @@ def make_source():
 def no_triton_interpret(monkeypatch):
     """Make CPU ``fused_moe`` calls run the PyTorch reference, not the Triton interpreter."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def top_scale_pair(E, H, I, shift=130, seed=5, dev="cpu"):
+    """Two expert sets whose GEMM1 scale bytes differ by ``shift`` binades: rows of bytes (254, 244, 234, 0)
+    (largest byte 254, where the W4A16 kernels fold relative to min(ref, 253); a byte-0 block far below it)
+    and the same rows ``shift`` lower (a block at 0 stays 0). With activations times 2**-100 and 2**(shift - 100)
+    (normal BF16 either way) every product is the same value times an exact power of two, so W4A16 gives the
+    same bits for both (the byte-0 block adds nothing visible to either)."""
+    import mxmoe  # here, not at the top: TRITON_INTERPRET is decided above, before mxmoe defines its kernels
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device=dev)
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device=dev)
+    s2 = torch.randint(120, 125, (E, H, I // 32), generator=g, dtype=torch.uint8, device=dev)
+    top = torch.tensor([254, 244, 234, 0], dtype=torch.int16, device=dev)[torch.arange(H // 32, device=dev) % 4]
+    low = torch.where(top > 0, top - shift, 0)
+    pair = [mxmoe.prepare_weights(w13, t.to(torch.uint8).expand(E, 2 * I, H // 32).contiguous(), w2, s2)
+            for t in (top, low)]
+    assert int(pair[0].w13_ref.max()) == 254
+    return pair

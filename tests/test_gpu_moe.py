@@ -10,6 +10,8 @@ import torch
 import mxmoe
 from mxmoe import fused_moe, fused_moe_reference, relative_l2
 
+from conftest import top_scale_pair
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SHAPES = {
@@ -133,6 +135,18 @@ def test_scale_extremes(pattern, precision):
     x = torch.randn(128, 1024, device="cuda").bfloat16()
     ids, w = routing(128, 4, 32)
     check(ex, x, ids, w, precision)
+
+
+@pytest.mark.parametrize("T", [1, 128])
+def test_w4a16_largest_scale_byte_254(T):
+    # rows whose largest scale byte is 254: the kernels fold relative to min(ref, 253) (no clamp per block); the
+    # same rows 130 binades lower with activations 2**130 larger give the same bits (decode and 16-row tiles)
+    ex_top, ex_low = top_scale_pair(32, 1024, 512, dev="cuda")
+    x = torch.randn(T, 1024, device="cuda").bfloat16()
+    ids, w = routing(T, 4, 32)
+    out_top = fused_moe(x * 2.0 ** -100, ex_top, w, ids, precision="w4a16")
+    out_low = check(ex_low, x * 2.0 ** 30, ids, w, "w4a16")
+    assert torch.equal(out_top.view(torch.int16), out_low.view(torch.int16))
 
 
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])

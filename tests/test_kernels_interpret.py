@@ -14,6 +14,8 @@ import torch
 import mxmoe
 from mxmoe import fused_moe, fused_moe_reference, relative_l2
 
+from conftest import top_scale_pair
+
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 before import (conftest sets it without a GPU)")
@@ -92,6 +94,19 @@ def test_masked_routes_empty_experts_expert_map(ids_dtype, precision):
     assert (out[3] == 0).all()
     assert relative_l2(out, emu) <= 2e-3
     assert relative_l2(out, exact) <= (5e-3 if precision == "w4a16" else 5e-2)
+
+
+def test_w4a16_largest_scale_byte_254():
+    E, H, I, T, top_k = 4, 128, 64, 6, 2
+    ex_top, ex_low = top_scale_pair(E, H, I)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.randint(0, E, (T, top_k), generator=g, dtype=torch.int32)
+    w = torch.rand(T, top_k, generator=g)
+    out_top = fused_moe(x * 2.0 ** -100, ex_top, w, ids, precision="w4a16", out=torch.full_like(x, float("nan")))
+    out_low, emu, exact = run_both(ex_low, x * 2.0 ** 30, w, ids, "w4a16")
+    assert torch.equal(out_top.view(torch.int16), out_low.view(torch.int16))
+    assert relative_l2(out_low, emu) <= 2e-3 and relative_l2(out_low, exact) <= 5e-3
 
 
 def test_all_routes_masked_gives_zeros():

@@ -39,9 +39,22 @@ def expand_blocks(v, BM: tl.constexpr, BK: tl.constexpr):
     return tl.broadcast_to(v[:, :, None], (BM, BK // 32, 32)).reshape(BM, BK)
 
 
+# W4A16 folds each K32 block's 2**(b - r) into the BF16 weights, r = min(ref, FOLD_REF_MAX) per weight row
+# (``ref`` its largest scale byte), as the BF16 exponent field 253 + b - r of a factor 2**(126 + b - r): in
+# [0, 254] for every scale byte b <= ref, so no clamp, and the factor's BF16x2 bits (the field times 0x00800080)
+# are one multiply-add of b with a per-row constant. The epilogue multiplies each row by 2**(r - 127).
+FOLD_REF_MAX = tl.constexpr(253)
+
+
+@triton.jit
+def fold_ref(ref):
+    """The reference exponent the W4A16 kernels fold a row's blocks relative to (``FOLD_REF_MAX``)."""
+    return tl.minimum(ref, FOLD_REF_MAX)
+
+
 @triton.jit
 def e2m1_to_bf16(codes, d):
-    """E2M1 codes times 2**d (int32, d <= 0) as exact BF16; underflow below BF16's normals -> 0."""
+    """E2M1 codes times 2**d (int32, d <= 1) as exact BF16; underflow below BF16's normals -> 0."""
     e = (codes >> 1) & 3
     m = codes & (e > 0).to(tl.int32)
     exp = e + 126 + d

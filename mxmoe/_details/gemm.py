@@ -4,7 +4,8 @@ Computed as ``W · Aᵀ``: expert weight rows are the MMA's M dimension (convert
 registers: operand A of wgmma), routed rows (tokens) the N dimension, so a decode tile can
 be 16 rows wide. One program computes ``BM`` weight rows for one route-pack tile of ``BT``
 slots. W4A16 folds ``2**(b - ref)`` of each K32 block into the BF16 weights (exact, see
-``convert``) and applies ``2**(ref - 127)`` per row in FP32 after the K loop. W4A8 runs one
+``convert``; relative to r = ``convert.fold_ref(ref)``) and applies ``2**(r - 127)`` per row in FP32 after
+the K loop. W4A8 runs one
 FP8 MMA per K32 block on E2M1 * 2**-6 (exact in E4M3) and scales each partial sum by the
 block's ``2**(b - 121)`` in FP32, so any span of scales is exact; the activation row scale
 is applied in the epilogue.
@@ -13,16 +14,16 @@ import triton
 import triton.language as tl
 
 from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, e2m1_to_bf16,
-                      e2m1_to_e4m3_scaled_by_2pow_minus6, expand_blocks, pow2, prepared_codes, store_rounded)
+                      e2m1_to_e4m3_scaled_by_2pow_minus6, expand_blocks, fold_ref, pow2, prepared_codes, store_rounded)
 
 
 @triton.jit
 def _bf16_weights(words, d, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
-    """Prepared words [BM, BK/8] -> [BM, BK] BF16 values times 2**d (d per K32 block, [BM, BK/32], <= 0)."""
+    """Prepared words [BM, BK/8] -> [BM, BK] BF16 values times 2**d (d per K32 block, [BM, BK/32], <= 1)."""
     if PURE:  # plain Triton bit construction, per element
         return e2m1_to_bf16(prepared_codes(words, BM, BK), expand_blocks(d, BM, BK))
     else:  # the Gluon kernels' asm: masked shifts, one BF16 multiply by 2**(126 + d) per value pair
-        f = tl.maximum(253 + d, 0) << 7
+        f = (253 + d) << 7  # in [0, 254] (``convert.FOLD_REF_MAX``)
         f = tl.broadcast_to((f | (f << 16))[:, :, None], (BM, BK // 32, 4)).reshape(BM, BK // 8)
         x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
             E2M1X8_TO_BF16_HALVES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f], dtype=(tl.bfloat16, ) * 8,
@@ -100,10 +101,10 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e, n_rows, n0, s_base, ref_base
     weight rows n0 .. n0 + BM - 1 (and ``up_off`` further) of the expert's ``n_rows`` at ``w_e``."""
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
-    ref_g = tl.load(ref_base + offs_m)
+    ref_g = fold_ref(tl.load(ref_base + offs_m))
     ref_u = ref_g
     if GLU:
-        ref_u = tl.load(ref_base + up_off + offs_m)
+        ref_u = fold_ref(tl.load(ref_base + up_off + offs_m))
     acc_g = tl.zeros((BM, BT), dtype=tl.float32)
     acc_u = tl.zeros((BM, BT), dtype=tl.float32)
     a_ptrs = a_ptr + a_row[None, :] * stride_a + offs_k[:, None]

@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM
+from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, FOLD_REF_MAX
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -69,13 +69,26 @@ def _block_factor(b):
 
 
 @gluon.jit
+def _fold_ref(ref_ptrs):
+    """The reference exponents the W4A16 blocks are folded relative to (``convert.FOLD_REF_MAX``)."""
+    return gl.minimum(gl.load(ref_ptrs), FOLD_REF_MAX)
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` (int32) through an asm move: the compiler cannot factor it, so that ``b * c + _opaque(d * c)``
+    stays one multiply-add instead of becoming ``(b + d) * c``, an add and a multiply."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH: gl.constexpr, BM: gl.constexpr, ROWS: gl.constexpr):
-    """W4A16 accumulators times each weight row's 2**(ref - 127) (the blocks were folded relative to it);
-    the second half's rows start ``half_rows`` after the first's."""
+    """W4A16 accumulators times each weight row's 2**(r - 127) (the blocks were folded relative to r,
+    ``_fold_ref``); the second half's rows start ``half_rows`` after the first's."""
     offs_r = gl.arange(0, BM, layout=ROWS)
-    acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 127)[:, None]
+    acc_g = acc_g * _pow2(_fold_ref(ref_ptr + w_row0 + offs_r) - 127)[:, None]
     if NH == 2:
-        acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + half_rows + offs_r) - 127)[:, None]
+        acc_u = acc_u * _pow2(_fold_ref(ref_ptr + w_row0 + half_rows + offs_r) - 127)[:, None]
     return acc_g, acc_u
 
 
@@ -214,10 +227,10 @@ def _converter(s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k,
                   + gc[None, None, :])
         up_off = N * (K // 32)
         rows = gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
-        ref_g = gl.load(ref_ptr + w_row0 + rows)[:, None]
+        ref_g = _fold_ref(ref_ptr + w_row0 + rows)[:, None]
         ref_u = ref_g
         if NH == 2:
-            ref_u = gl.load(ref_ptr + w_row0 + N + rows)[:, None]
+            ref_u = _fold_ref(ref_ptr + w_row0 + N + rows)[:, None]
         nxt_g = _scale_group(s_ptrs, gg, 0, num_k, G, NC)
         nxt_u = nxt_g
         if NH == 2:
@@ -252,8 +265,8 @@ def _converter(s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k,
                             ref = ref_u
                         # this stage's scale bytes: a compile-time column of the in-thread group tile
                         b = gl.convert_layout(gl.sum(gl.where((gg == g)[None, :, None], sc, 0), axis=1), SL)
-                        # BF16x2 2**(126 + b - ref) (0 where it underflows) per block, beside every word of it
-                        f = gl.maximum(253 + b - ref, 0) << 7
+                        # BF16x2 2**(126 + b - ref) per block (field in [0, 254]), beside every word of it
+                        f = (253 + b - ref) << 7
                         f2 = gl.convert_layout((gl.expand_dims(f | (f << 16), 2) + gl.zeros([BM, NC, 4], gl.int32, L3))
                                                .reshape(BM, BK // 8), PL)
                         o0, o1, o2, o3 = gl.inline_asm_elementwise(E2M1X8_TO_BF16_KORDER_ASM, "=r,=r,=r,=r,r,r",
@@ -509,7 +522,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                  SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
-    start ``half_rows`` apart (W4A16: still to be multiplied by 2**(ref - 127) per row). ``EARLY_WEIGHTS``:
+    start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
     the first stages' weight copies go out before the wait for the previous kernel (whose output the
     activation rows are), the rest after it."""
     NB: gl.constexpr = BK // 32
@@ -521,15 +534,16 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
                                                    w_row0, K, GEMM1, BM, BT, BK, U)
 
-    # scale bytes and the row references, one value per (row, block) of the thread's operand
+    # scale bytes, one value per (row, block) of the thread's operand, and W4A16's per-row addend of the block
+    # factors: BF16x2 bits (253 + b - r) * 0x00800080 = b * 0x00800080 + (253 - r) * 0x00800080 (``_fold_ref``)
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
     s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
     up_scales = half_rows * (K // 32)
-    ref_g = gl.load(ref_ptr + w_row0 + sm)[:, None]
-    ref_u = ref_g
+    fac0_g = _opaque((253 - _fold_ref(ref_ptr + w_row0 + sm)) * 0x00800080)[:, None]
+    fac0_u = fac0_g
     if NH == 2:
-        ref_u = gl.load(ref_ptr + w_row0 + half_rows + sm)[:, None]
+        fac0_u = _opaque((253 - _fold_ref(ref_ptr + w_row0 + half_rows + sm)) * 0x00800080)[:, None]
 
     # prologue: stages 0 .. S-2 in flight (with EARLY_WEIGHTS their weights before the wait, the rest after it)
     for j in gl.static_range(NUM_STAGES - 1):
@@ -622,9 +636,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                             pg = warpgroup_mma_wait(0, deps=(pg, ))
                         acc_g += pg * fac_g[:, None]
                 else:
-                    # BF16x2 2**(126 + b - ref) (0 where it underflows): the exponent field times 0x00800080
-                    f_g = gl.maximum(253 + cur_sg - ref_g, 0) * 0x00800080
-                    f_u = gl.maximum(253 + cur_su - ref_u, 0) * 0x00800080
+                    # BF16x2 2**(126 + b - r): one multiply-add per (row, block), no clamp (the field is in [0, 254])
+                    f_g = cur_sg * 0x00800080 + fac0_g
+                    f_u = cur_su * 0x00800080 + fac0_u
                     cur_g = codes_g
                     cur_u = codes_u
                     if i + 1 < num_steps:
