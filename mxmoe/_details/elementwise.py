@@ -42,8 +42,9 @@ def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_
 
 @triton.jit
 def topk_sum_kernel(y_ptr, route_slot_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr, PURE: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """out[t] = sum over k = 0..top_k-1 (in order, FP32) of y[t*top_k + k], masked routes skipped."""
+                    CHECK_SLOTS: tl.constexpr = True, PDL: tl.constexpr = False):
+    """out[t] = sum over k = 0..top_k-1 (in order, FP32) of y[t*top_k + k], masked routes (slot -1) skipped;
+    without ``CHECK_SLOTS`` every route's row is read (masked routes' rows hold zeros)."""
     if PDL:  # launched with programmatic dependent launch: wait for the routed rows
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
@@ -52,6 +53,9 @@ def topk_sum_kernel(y_ptr, route_slot_ptr, out_ptr, H, top_k, BLOCK_H: tl.conste
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in range(top_k):
         route = t * top_k + k
-        slot = tl.zeros((BLOCK_H,), tl.int32) + tl.load(route_slot_ptr + route)  # a tensor mask (Triton 3.9 interpreter)
-        acc += tl.load(y_ptr + route * H + offs, mask=in_row & (slot >= 0), other=0.0).to(tl.float32)
+        ok = in_row
+        if CHECK_SLOTS:
+            slot = tl.zeros((BLOCK_H,), tl.int32) + tl.load(route_slot_ptr + route)  # a tensor mask (Triton 3.9 interpreter)
+            ok &= slot >= 0
+        acc += tl.load(y_ptr + route * H + offs, mask=ok, other=0.0).to(tl.float32)
     store_rounded(out_ptr + t * H + offs, acc, in_row, PURE)

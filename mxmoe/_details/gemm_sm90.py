@@ -96,14 +96,40 @@ def _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH: gl.constexpr, B
 def _tile_origin(tile_expert_ptr, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr):
     """(expert, first output row n0, first weight row, first route-pack slot) of program (pid_n, pid_t), whose
     BM output rows are the pid_n-th of an expert's N (``NH`` * N weight rows per expert)."""
-    expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
+    return _origin(gl.load(tile_expert_ptr + pid_t).to(gl.int64), pid_t, pid_n, N, NH, BM, BT)
+
+
+@gluon.jit
+def _origin(expert, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr):
     n0 = pid_n * BM
     return expert, n0, expert * (NH * N) + n0, pid_t * BT
 
 
 @gluon.jit
+def _direct_expert(ids_ptr, expert_map_ptr, route, num_global, num_experts, HAS_MAP: gl.constexpr):
+    """Local expert of route ``route`` straight from the top-k ids (int64; -1 where masked), by the rules of
+    ``routing_kernels._local_experts``: ids outside [0, num_global) and ids the map sends to -1 are masked."""
+    e = gl.load(ids_ptr + route).to(gl.int64)
+    valid = (e >= 0) & (e < num_global)
+    if HAS_MAP:
+        e = gl.load(expert_map_ptr + gl.where(valid, e, 0)).to(gl.int64)
+    valid = valid & (e >= 0) & (e < num_experts)
+    return gl.where(valid, e, -1)
+
+
+@gluon.jit
+def _tile_routes(routes_ptr, slots, BT: gl.constexpr, DIRECT: gl.constexpr):
+    """The route of each slot (-1: padding). ``DIRECT``: no route pack; tile t holds route t in its first slot."""
+    if DIRECT:
+        return gl.where(slots % BT == 0, slots // BT, -1)
+    else:
+        return gl.load(routes_ptr + slots)
+
+
+@gluon.jit
 def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
-                   GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, U: gl.constexpr):
+                   GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, U: gl.constexpr,
+                   DIRECT: gl.constexpr = False):
     """16-B ``cp.async`` sources of a tile's first K step, for the calling partition's warps: packed rows
     [BM, BK/2] (BK/2 bytes = BK/32 K32 blocks of 16 B) and the gathered activation rows [BT, BK] (GEMM1 the
     token of each route, GEMM2 the slot itself); ``ok`` marks rows holding a route. Also the packed row
@@ -122,7 +148,7 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
     w_ptrs = (w_ptr + ((w_row0 + (pm // 64) * 64).to(gl.int64) * row_bytes + (pm % 64) * U)[:, None]
               + (pk + (pk // U) * (64 * U - U))[None, :])
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
-    routes = gl.load(routes_ptr + slots)
+    routes = _tile_routes(routes_ptr, slots, BT, DIRECT)
     ok = routes >= 0
     if GEMM1:
         rows = gl.where(ok, routes // top_k, 0).to(gl.int64)
@@ -332,14 +358,15 @@ def _mma_and_epilogue(ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride
 def _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
               expert, w_row0, n0, slot0, N, top_k, limit, alpha,
               GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr, HAS_BIAS: gl.constexpr,
-              HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, OUT_I64: gl.constexpr, OUT: gl.constexpr):
+              HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, OUT_I64: gl.constexpr, OUT: gl.constexpr,
+              DIRECT: gl.constexpr = False):
     """Column scales, bias, activation (GEMM1) or routing weight (GEMM2) and the store, in the accumulator
     layout ``OUT``: no shared-memory round trip (its scratch would be as large as a pipeline stage); a
     warp's store covers 16-B pieces of 4 output rows, the L2 merges them."""
     g = acc_g
     offs_n = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, OUT))
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))
-    routes = gl.load(routes_ptr + slots)
+    routes = _tile_routes(routes_ptr, slots, BT, DIRECT)
     row_ok = routes >= 0
     col_scale = gl.full((BT,), 1.0, gl.float32, gl.SliceLayout(0, OUT))
     if FP8:
@@ -519,7 +546,8 @@ def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: g
 def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False):
+                 SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
+                 DIRECT: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
@@ -532,7 +560,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
-                                                   w_row0, K, GEMM1, BM, BT, BK, U)
+                                                   w_row0, K, GEMM1, BM, BT, BK, U, DIRECT)
 
     # scale bytes, one value per (row, block) of the thread's operand, and W4A16's per-row addend of the block
     # factors: BF16x2 bits (253 + b - r) * 0x00800080 = b * 0x00800080 + (253 - r) * 0x00800080 (``_fold_ref``)
@@ -661,13 +689,14 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
 def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                            half_rows, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr,
                            NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr):
+                           NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr,
+                           DIRECT: gl.constexpr = False):
     """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
     (shared), then one arrive on ``done``."""
     _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, first_step, num_steps, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                SCALE_WORDS, U)
+                                SCALE_WORDS, U, False, DIRECT)
     partial.index(0).store(acc_g)
     if NH == 2:
         partial.index(1).store(acc_u)
@@ -686,6 +715,8 @@ def moe_gemm_small_kernel(
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
+    DIRECT: gl.constexpr = False, ids_ptr=None, expert_map_ptr=None, num_global=0, num_experts=0,
+    HAS_MAP: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -697,7 +728,10 @@ def moe_gemm_small_kernel(
     SM count): a second warpgroup runs the second half of the K steps on its own ring. ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
     wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
-    row blocks' unit, ``prepare.row_block_unit(K)``."""
+    row blocks' unit, ``prepare.row_block_unit(K)``. ``DIRECT`` (decode): no route pack; program column t takes
+    route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with ``HAS_MAP``, as the pack would mask
+    it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked route, so the top-k sum
+    needs no slot list."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
@@ -712,12 +746,17 @@ def moe_gemm_small_kernel(
         _launch_dependents()
     pid_n = gl.program_id(0)
     pid_t = gl.program_id(1)
-    if pid_t < gl.load(num_tiles_ptr):
+    if DIRECT:
+        expert = _direct_expert(ids_ptr, expert_map_ptr, pid_t, num_global, num_experts, HAS_MAP)
+        has_tile = expert >= 0
+    else:
+        expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
+        has_tile = pid_t < gl.load(num_tiles_ptr)
+    if has_tile:
         NB: gl.constexpr = BK // 32
         NH: gl.constexpr = 2 if GEMM1 or PAIR else 1
         # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
-        expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, pid_t, pid_n, N, 2 if GEMM1 else 1,
-                                                 2 * BM if PAIR else BM, BT)
+        expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, 2 * BM if PAIR else BM, BT)
         half_rows = N if GEMM1 else BM
         num_k = K // BK
         MMA: gl.constexpr = _small_mma_layout(BT, FP8)
@@ -726,7 +765,7 @@ def moe_gemm_small_kernel(
         if KSPLIT == 1:
             acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
                                         w_row0, slot0, half_rows, K, top_k, 0, num_k, GEMM1, NH, FP8, BM, BT, BK,
-                                        NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS)
+                                        NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT)
         else:
             # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
             # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
@@ -740,10 +779,10 @@ def moe_gemm_small_kernel(
             acc_g, acc_u = gl.warp_specialize([
                 (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS,
-                                W_UNIT)),
+                                W_UNIT, False, DIRECT)),
                 (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
                                           w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial, done, GEMM1,
-                                          NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT)),
+                                          NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, DIRECT)),
             ], [4], [SPLIT_WORKER_REGS])
             mbarrier.wait(done, 0)
             acc_g = acc_g + partial.index(0).load(MMA)
@@ -753,12 +792,17 @@ def moe_gemm_small_kernel(
             acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM, gl.SliceLayout(1, MMA))
         _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                   topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
-                  HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)
+                  HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
         if PAIR:  # the second block's rows
             _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                       topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
-                      FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)
-    elif EARLY_WEIGHTS:
-        # a program without a tile waits too: a kernel must not complete before the one it follows (else the
-        # next kernel's wait would not cover GEMM1, which may still be running)
-        _wait_for_previous_kernel()
+                      FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+    else:
+        if EARLY_WEIGHTS:
+            # a program without a tile waits too: a kernel must not complete before the one it follows (else the
+            # next kernel's wait would not cover GEMM1, which may still be running)
+            _wait_for_previous_kernel()
+        if DIRECT and not GEMM1:  # a masked route's row of the routed output is zero (the top-k sum adds it)
+            ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+            cols = pid_n * (2 * BM if PAIR else BM) + gl.arange(0, 2 * BM if PAIR else BM, layout=ZL)
+            gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty))

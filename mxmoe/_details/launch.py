@@ -1,8 +1,9 @@
 """Launch plan of the Triton path: workspace, tile configs, the kernel sequence.
 
 Run path (no allocation once the workspace exists, no host sync, capturable):
-route pack (one kernel up to 1024 routes, else 2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 + activation ->
-[W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> top-k sum.
+route pack (one kernel up to 1024 routes, else 2 fills + 3 kernels; none for one W4A16 token, ``direct_routes``)
+-> [W4A8: quantize x rows] -> GEMM1 + activation -> [W4A8: quantize intermediate rows] -> GEMM2 + routing weight
+-> top-k sum.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ PDL = True  # programmatic dependent launch (compute capability >= 9) of the one
 # GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
+DIRECT_DECODE = True  # one token, W4A16 on the small-tile Gluon kernels: each route a 16-row tile of its own and
+# no route-pack launch (the GEMMs read the top-k ids themselves; docs/perf-notes.md step 17)
 
 
 @dataclass(frozen=True)
@@ -332,9 +335,28 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def direct_routes(tokens: int, num_routes: int, num_experts: int, fp8: bool, cfg1: GemmConfig, cfg2: GemmConfig) -> bool:
+    """Whether a call runs without a route pack: one token (its routes go to distinct experts, so one 16-row
+    tile per route is the pack's own tiling), W4A16 on the small-tile Gluon kernels, and the workspace's
+    intermediate holds a tile per route. Saves the pack's launch (H200 decode: docs/perf-notes.md step 17)."""
+    return (DIRECT_DECODE and tokens == 1 and not fp8 and cfg1.kernel == cfg2.kernel == "gluon_small"
+            and cfg1.block_rows == TILE_ROWS[0]
+            and route_pack_capacity(num_routes, num_experts, TILE_ROWS[0])[0] >= num_routes * TILE_ROWS[0])
+
+
+@dataclass(frozen=True)
+class DirectRoutes:
+    """The GEMMs' routing without a pack: route t is tile t (``direct_routes``)."""
+    topk_ids: torch.Tensor
+    expert_map: Optional[torch.Tensor]
+    num_global: int
+    num_experts: int
+
+
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-          gemm1, swigluoai, fp8, cfg: GemmConfig):
-    grid = (n // (cfg.block_m * (2 if cfg.pair else 1)), pack.tile_expert.numel())
+          gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None):
+    tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel()
+    grid = (n // (cfg.block_m * (2 if cfg.pair else 1)), tiles)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
@@ -349,12 +371,17 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **pdl)
             if pdl and early_weights(gemm1, cfg):
                 extra.update(EARLY_WEIGHTS=True)
+            if direct:
+                extra.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global,
+                             num_experts=direct.num_experts, HAS_MAP=direct.expert_map is not None,
+                             expert_map_ptr=direct.expert_map if direct.expert_map is not None else direct.topk_ids)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
+    assert direct is None or cfg.kernel == "gluon_small"
     kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
         w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
-        pack.sorted_routes, pack.tile_expert, pack.num_tiles,
+        *((w_ref, w_ref, w_ref) if direct else (pack.sorted_routes, pack.tile_expert, pack.num_tiles)),
         out, out.stride(0), topk_weights,
         n, k, top_k, limit, alpha,
         GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
@@ -394,10 +421,17 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False, n=H),
                        gemm1=False)
     assert cfg1.block_rows == cfg2.block_rows, "both GEMMs read one route pack"
-    pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
-    max_rows = pack.sorted_routes.numel()
+    direct = None
+    if direct_routes(T, R, E, fp8, cfg1, cfg2):
+        n_global = E if expert_map is None else expert_map.numel()
+        direct = DirectRoutes(topk_ids, expert_map, n_global, E)
+        pack, max_rows = None, R * cfg1.block_rows
+    else:
+        pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
+        max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"
-    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8)
+    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8,
+                  direct=direct)
     if fp8:
         x_q, x_scale = workspace.x_q[:T], workspace.x_scale[:T]
         _quantize_rows(x, x_q, x_scale)
@@ -415,6 +449,8 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
           experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
     block_h = min(triton.next_power_of_2(H), 1024)
-    topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot, out, H, top_k, BLOCK_H=block_h,
-                                                         PURE=interpreting(), num_warps=4, **_pdl(x.device))
+    # without a pack GEMM2 wrote every route's row (zeros for masked ones): no slot list to check
+    topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot if pack else routed, out, H, top_k,
+                                                  BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None,
+                                                  num_warps=4, **_pdl(x.device))
     return out

@@ -45,8 +45,10 @@ def _ptxas() -> str:
     return get_ptxas(90).path
 
 
-def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False):
-    """``triton.compile`` the GEMM template (``cfg.kernel``: plain Triton or Gluon) for sm_90a."""
+def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
+                 direct: bool = False):
+    """``triton.compile`` the GEMM template (``cfg.kernel``: plain Triton or Gluon) for sm_90a; ``direct``: the
+    small-tile kernel without a route pack (``launch.direct_routes``), with an expert map."""
     a_ty = "*fp8e4nv" if fp8 else "*bf16"
     out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
     sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32",
@@ -71,6 +73,9 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
             from .launch import early_weights
             const.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair,
                          EARLY_WEIGHTS=early_weights(gemm1, cfg))
+            if direct:
+                sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32")
+                const.update(DIRECT=True, HAS_MAP=True)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
@@ -104,21 +109,25 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
     ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
     Gluon kernel at ``small_rows`` (both precisions), and at its first rows also with per-step scale-byte
-    loads (the form for K % 128 != 0) and with the decode K split (two warpgroups)."""
+    loads (the form for K % 128 != 0), with the decode K split (two warpgroups) and, W4A16, without a route pack
+    (one token, ``launch.direct_routes``)."""
     from .launch import gemm_config
 
     out = []
-    cases = [(kernel, r, fp8, {}) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False,)),
+    cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False,)),
                                                           ("gluon_small", small_rows, (False, True)))
              for r in rs for fp8 in fp8s]
-    cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False)) for fp8 in (False, True)]
-    cases += [("gluon_small", small_rows[0], fp8, dict(k_split=2, maxnreg=128)) for fp8 in (False, True)]
-    for kernel, r, fp8, override in cases:
+    cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False), False) for fp8 in (False, True)]
+    cases += [("gluon_small", small_rows[0], fp8, dict(k_split=2, maxnreg=128), False) for fp8 in (False, True)]
+    cases += [("gluon_small", small_rows[0], False, {}, True)]
+    for kernel, r, fp8, override, direct in cases:
         for gemm1 in (True, False):
             n, k = (I, H) if gemm1 else (H, I)
-            cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1)
-            rep = report(compile_gemm(gemm1, fp8, cfg))
-            out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, config=cfg.__dict__, registers=rep.registers,
+            # the direct decode case as launched: GEMM1 with the K split of a one-token grid
+            cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1, sm_count=132 if direct else 0)
+            rep = report(compile_gemm(gemm1, fp8, cfg, direct=direct))
+            out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, direct=direct, config=cfg.__dict__,
+                            registers=rep.registers,
                             spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
                             async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized))
     return out
