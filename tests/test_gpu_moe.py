@@ -174,8 +174,9 @@ def test_deterministic(precision):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("ids_dtype,mapped", [(torch.int32, False), (torch.int64, False), (torch.int32, True)])
 def test_one_token_without_route_pack(shape, ids_dtype, mapped, monkeypatch):
-    """One W4A16 token runs without a route pack (``launch.direct_routes``): the bits of the packed path,
-    with a repeated expert, masked routes (-1, out of range, mapped to -1) and all routes masked."""
+    """One W4A16 token runs without a route pack (``launch.direct_routes``) and GEMM2 sums its routes: the bits
+    of the packed path, with a repeated expert, masked routes (-1, out of range, mapped to -1) and all routes
+    masked."""
     from mxmoe._details import launch
 
     E, H, I, top_k = SHAPES[shape]
@@ -196,7 +197,13 @@ def test_one_token_without_route_pack(shape, ids_dtype, mapped, monkeypatch):
         ids = torch.tensor([ids_list], dtype=ids_dtype, device="cuda")
         with monkeypatch.context() as m:
             m.setattr(launch.Workspace, "route_pack", lambda *a, **k: pytest.fail("route pack launched"))
+            m.setattr(launch, "topk_sum_kernel", None)  # GEMM2 sums the routes (launch.DIRECT_SUM)
             direct = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
+        assert (ws.sum_counters == 0).all()  # the last arrival reset each column block's counter
+        with monkeypatch.context() as m:
+            m.setattr(launch, "DIRECT_SUM", False)
+            unfused = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
+        assert torch.equal(direct.view(torch.int16), unfused.view(torch.int16))
         with monkeypatch.context() as m:
             m.setattr(launch, "DIRECT_DECODE", False)
             packed = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))

@@ -29,6 +29,8 @@ EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
 DIRECT_DECODE = True  # one token, W4A16 on the small-tile Gluon kernels: each route a 16-row tile of its own and
 # no route-pack launch (the GEMMs read the top-k ids themselves; docs/perf-notes.md step 17)
+DIRECT_SUM = True  # with DIRECT_DECODE: GEMM2's last program per column block adds the token's routed rows (no
+# top-k-sum launch)
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,9 @@ class Workspace:
         # W4A16 keeps the intermediate in BF16; W4A8 in FP32 until its per-row requantization
         self.intermediate = torch.empty(max_rows * I * (4 if fp8 else 2), dtype=torch.uint8, device=device)
         self.routed_out = torch.empty(R, H, dtype=torch.bfloat16, device=device)
+        # arrivals per GEMM2 column block of the one-token top-k sum inside GEMM2 (DIRECT_SUM); its last program
+        # resets its counter, so they are zero between calls
+        self.sum_counters = torch.zeros(H // 64 + 1, **i32)
         if fp8:
             self.x_q = torch.empty(max_tokens, H, dtype=torch.float8_e4m3fn, device=device)
             self.x_scale = torch.empty(max_tokens, dtype=torch.float32, device=device)
@@ -346,11 +351,14 @@ def direct_routes(tokens: int, num_routes: int, num_experts: int, fp8: bool, cfg
 
 @dataclass(frozen=True)
 class DirectRoutes:
-    """The GEMMs' routing without a pack: route t is tile t (``direct_routes``)."""
+    """The GEMMs' routing without a pack: route t is tile t (``direct_routes``); with ``sum_out``, GEMM2 also
+    writes the top-k sum there (arrivals counted in ``counters``, one per column block, zero between calls)."""
     topk_ids: torch.Tensor
     expert_map: Optional[torch.Tensor]
     num_global: int
     num_experts: int
+    sum_out: Optional[torch.Tensor] = None
+    counters: Optional[torch.Tensor] = None
 
 
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
@@ -375,6 +383,9 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
                 extra.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global,
                              num_experts=direct.num_experts, HAS_MAP=direct.expert_map is not None,
                              expert_map_ptr=direct.expert_map if direct.expert_map is not None else direct.topk_ids)
+                if direct.sum_out is not None and not gemm1:
+                    extra.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, counters_ptr=direct.counters,
+                                 NUM_ROUTES=tiles)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     assert direct is None or cfg.kernel == "gluon_small"
@@ -424,7 +435,7 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     direct = None
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
         n_global = E if expert_map is None else expert_map.numel()
-        direct = DirectRoutes(topk_ids, expert_map, n_global, E)
+        direct = DirectRoutes(topk_ids, expert_map, n_global, E, *((out, workspace.sum_counters) if DIRECT_SUM else ()))
         pack, max_rows = None, R * cfg1.block_rows
     else:
         pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
@@ -449,6 +460,8 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
           experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
     block_h = min(triton.next_power_of_2(H), 1024)
+    if direct and direct.sum_out is not None:
+        return out  # GEMM2 summed the routes
     # without a pack GEMM2 wrote every route's row (zeros for masked ones): no slot list to check
     topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot if pack else routed, out, H, top_k,
                                                   BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None,
