@@ -172,45 +172,53 @@ def test_deterministic(precision):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the route-pack-free decode runs on the sm90 Gluon kernels")
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("ids_dtype,mapped", [(torch.int32, False), (torch.int64, False), (torch.int32, True)])
-def test_one_token_without_route_pack(shape, ids_dtype, mapped, monkeypatch):
-    """One W4A16 token runs without a route pack (``launch.direct_routes``) and GEMM2 sums its routes: the bits
-    of the packed path, with a repeated expert, masked routes (-1, out of range, mapped to -1) and all routes
-    masked."""
+def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch):
+    """Up to ``launch.DIRECT_MAX_TOKENS`` W4A16 tokens run without a route pack and GEMM2 sums their routes:
+    the bits of the packed path, with an expert repeated in a token and across tokens, masked routes (-1,
+    out of range, mapped to -1), a fully masked token and all routes masked."""
     from mxmoe._details import launch
 
+    assert T <= launch.DIRECT_MAX_TOKENS
     E, H, I, top_k = SHAPES[shape]
     ex = gpu_experts(E, H, I)
-    x = torch.randn(1, H, device="cuda").bfloat16()
+    x = torch.randn(T, H, device="cuda").bfloat16()
     n_global = 2 * E if mapped else E
     emap = None
     if mapped:  # global ids E..2E-1 are this rank's experts 0..E-1, the rest elsewhere
         emap = torch.full((n_global,), -1, dtype=torch.int32, device="cuda")
         emap[E:] = torch.arange(E, dtype=torch.int32, device="cuda")
     base = E if mapped else 0
-    # repeated expert, masked (-1), out of range, (mapped: another rank's), then distinct experts
-    picks = ([base + 3, -1, base + 3, n_global + 5, 2 if mapped else base + 11]
-             + [base + 20 + j for j in range(top_k)])[:top_k]
-    w = torch.rand(1, top_k, device="cuda") + 0.1
-    ws = mxmoe.Workspace(ex, max_tokens=4, top_k=top_k)
-    for ids_list in (picks, [-1] * top_k):
-        ids = torch.tensor([ids_list], dtype=ids_dtype, device="cuda")
+    rows = []
+    for t in range(T):  # token 0: repeated expert, -1, out of range, (mapped: another rank's); token 2 all masked
+        if t == 2:
+            rows.append([-1] * top_k)
+            continue
+        head = [base + 3, -1, base + 3, n_global + 5, 2 if mapped else base + 11] if t == 0 else [base + 3, -1]
+        rows.append((head + [base + 20 + 9 * t + j for j in range(top_k)])[:top_k])
+    w = torch.rand(T, top_k, device="cuda") + 0.1
+    ws = mxmoe.Workspace(ex, max_tokens=8, top_k=top_k)
+    for ids_rows in (rows, [[-1] * top_k] * T):
+        ids = torch.tensor(ids_rows, dtype=ids_dtype, device="cuda")
         with monkeypatch.context() as m:
             m.setattr(launch.Workspace, "route_pack", lambda *a, **k: pytest.fail("route pack launched"))
             m.setattr(launch, "topk_sum_kernel", None)  # GEMM2 sums the routes (launch.DIRECT_SUM)
             direct = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
-        assert (ws.sum_counters == 0).all()  # the last arrival reset each column block's counter
+        assert (ws.sum_counters == 0).all()  # the last arrival reset each (token, column block) counter
         with monkeypatch.context() as m:
             m.setattr(launch, "DIRECT_SUM", False)
             unfused = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
-        assert torch.equal(direct.view(torch.int16), unfused.view(torch.int16))
         with monkeypatch.context() as m:
             m.setattr(launch, "DIRECT_DECODE", False)
             packed = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
+        assert torch.equal(direct.view(torch.int16), unfused.view(torch.int16))
         assert torch.equal(direct.view(torch.int16), packed.view(torch.int16))
-        if ids_list[0] == -1:
+        if ids_rows[0][0] == -1:
             assert (direct == 0).all()
         else:
+            if T > 2:
+                assert (direct[2] == 0).all()
             check(ex, x, ids, w, "w4a16", expert_map=emap)
 
 

@@ -107,7 +107,7 @@ def _origin(expert, pid_t, pid_n, N, NH: gl.constexpr, BM: gl.constexpr, BT: gl.
 
 @gluon.jit
 def _direct_expert(ids_ptr, expert_map_ptr, route, num_global, num_experts, HAS_MAP: gl.constexpr):
-    """Local expert of route ``route`` straight from the top-k ids (int64; -1 where masked), by the rules of
+    """Local expert of route ``route`` straight from the (contiguous) top-k ids (int64; -1 where masked), by the rules of
     ``routing_kernels._local_experts``: ids outside [0, num_global) and ids the map sends to -1 are masked."""
     e = gl.load(ids_ptr + route).to(gl.int64)
     valid = (e >= 0) & (e < num_global)
@@ -118,24 +118,26 @@ def _direct_expert(ids_ptr, expert_map_ptr, route, num_global, num_experts, HAS_
 
 
 @gluon.jit
-def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, counters_ptr, pid_n, WIDTH: gl.constexpr,
-                        NUM_ROUTES: gl.constexpr):
-    """One token's top-k sum inside GEMM2 (``DIRECT``: program column t wrote route t's routed row): each
-    program arrives on its column block's counter after a CTA barrier (one thread's GPU-scope release then
-    covers every thread's stores, as a semaphore release after ``__syncthreads``); the last to arrive adds
-    the block's ``NUM_ROUTES`` routed rows in route order in FP32 (as ``elementwise.topk_sum_kernel``: the
-    same bits; L2 reads, other SMs wrote them) and resets the counter for the next call (which stream
-    order puts after this kernel)."""
+def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters_ptr, pid_n, pid_t,
+                        WIDTH: gl.constexpr, TOP_K: gl.constexpr):
+    """The top-k sum inside GEMM2 (``DIRECT``: program column t wrote route t's routed row; token t // TOP_K):
+    each program arrives on its (token, column block) counter after a CTA barrier (one thread's GPU-scope
+    release then covers every thread's stores, as a semaphore release after ``__syncthreads``); the last to
+    arrive adds the token's ``TOP_K`` routed rows of the block in route order in FP32 (as
+    ``elementwise.topk_sum_kernel``: the same bits; L2 reads, other SMs wrote them) and resets the counter
+    for the next call (which stream order puts after this kernel)."""
+    token = pid_t // TOP_K
+    counter = counters_ptr + token * gl.num_programs(0) + pid_n
     gl.thread_barrier()
-    arrived = gl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_ROUTES - 1:
+    arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:
         L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=L)
         acc = gl.zeros([WIDTH], gl.float32, L)
-        for t in gl.static_range(NUM_ROUTES):
-            acc += gl.load(routed_ptr + t * stride_routed + cols, cache_modifier=".cg").to(gl.float32)
-        gl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty))
-        gl.store(counters_ptr + pid_n, 0)
+        for k in gl.static_range(TOP_K):
+            acc += gl.load(routed_ptr + (token * TOP_K + k) * stride_routed + cols, cache_modifier=".cg").to(gl.float32)
+        gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty))
+        gl.store(counter, 0)
 
 
 @gluon.jit
@@ -737,8 +739,8 @@ def moe_gemm_small_kernel(
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
     DIRECT: gl.constexpr = False, ids_ptr=None, expert_map_ptr=None, num_global=0, num_experts=0,
-    HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False, sum_out_ptr=None, counters_ptr=None,
-    NUM_ROUTES: gl.constexpr = 0,
+    HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False, sum_out_ptr=None, stride_sum_out=0,
+    counters_ptr=None, TOP_K: gl.constexpr = 0,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -750,16 +752,16 @@ def moe_gemm_small_kernel(
     SM count): a second warpgroup runs the second half of the K steps on its own ring. ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
     wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
-    row blocks' unit, ``prepare.row_block_unit(K)``. ``DIRECT`` (decode): no route pack; program column t takes
+    row blocks' unit, ``prepare.row_block_unit(K)``. ``DIRECT`` (a few tokens): no route pack; program column t takes
     route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with ``HAS_MAP``, as the pack would mask
     it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked route, so the top-k sum
-    needs no slot list. ``SUM_ROUTES`` (direct GEMM2, one token of ``NUM_ROUTES`` routes, the grid's second
-    dimension): the last program of each column block also sums the token's routed rows into ``sum_out_ptr``
-    (``_sum_routes_if_last``), so no top-k-sum launch follows."""
+    needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last program of each
+    (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
+    no top-k-sum launch follows."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
-    gl.static_assert(not SUM_ROUTES or (DIRECT and not GEMM1 and NUM_ROUTES > 0))
+    gl.static_assert(not SUM_ROUTES or (DIRECT and not GEMM1 and TOP_K > 0))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
     # before it is either a plain launch (W4A8's row quantizer) or GEMM1, which lets it launch only after its
@@ -832,4 +834,5 @@ def moe_gemm_small_kernel(
             cols = pid_n * (2 * BM if PAIR else BM) + gl.arange(0, 2 * BM if PAIR else BM, layout=ZL)
             gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty))
     if SUM_ROUTES:
-        _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, counters_ptr, pid_n, 2 * BM if PAIR else BM, NUM_ROUTES)
+        _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t,
+                            2 * BM if PAIR else BM, TOP_K)

@@ -27,8 +27,9 @@ PDL = True  # programmatic dependent launch (compute capability >= 9) of the one
 # GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
-DIRECT_DECODE = True  # one token, W4A16 on the small-tile Gluon kernels: each route a 16-row tile of its own and
-# no route-pack launch (the GEMMs read the top-k ids themselves; docs/perf-notes.md step 17)
+DIRECT_DECODE = True  # a few tokens, W4A16 on the small-tile Gluon kernels: each route a 16-row tile of its own
+# and no route-pack launch (the GEMMs read the top-k ids themselves; docs/perf-notes.md step 17)
+DIRECT_MAX_TOKENS = 4  # up to which (a repeated expert costs a second tile: rare at a few tokens)
 DIRECT_SUM = True  # with DIRECT_DECODE: GEMM2's last program per column block adds the token's routed rows (no
 # top-k-sum launch)
 
@@ -250,9 +251,9 @@ class Workspace:
         # W4A16 keeps the intermediate in BF16; W4A8 in FP32 until its per-row requantization
         self.intermediate = torch.empty(max_rows * I * (4 if fp8 else 2), dtype=torch.uint8, device=device)
         self.routed_out = torch.empty(R, H, dtype=torch.bfloat16, device=device)
-        # arrivals per GEMM2 column block of the one-token top-k sum inside GEMM2 (DIRECT_SUM); its last program
+        # arrivals per (token, GEMM2 column block) of the top-k sum inside GEMM2 (DIRECT_SUM); the last program
         # resets its counter, so they are zero between calls
-        self.sum_counters = torch.zeros(H // 64 + 1, **i32)
+        self.sum_counters = torch.zeros(DIRECT_MAX_TOKENS * (H // 64), **i32)
         if fp8:
             self.x_q = torch.empty(max_tokens, H, dtype=torch.float8_e4m3fn, device=device)
             self.x_scale = torch.empty(max_tokens, dtype=torch.float32, device=device)
@@ -341,10 +342,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def direct_routes(tokens: int, num_routes: int, num_experts: int, fp8: bool, cfg1: GemmConfig, cfg2: GemmConfig) -> bool:
-    """Whether a call runs without a route pack: one token (its routes go to distinct experts, so one 16-row
-    tile per route is the pack's own tiling), W4A16 on the small-tile Gluon kernels, and the workspace's
-    intermediate holds a tile per route. Saves the pack's launch (H200 decode: docs/perf-notes.md step 17)."""
-    return (DIRECT_DECODE and tokens == 1 and not fp8 and cfg1.kernel == cfg2.kernel == "gluon_small"
+    """Whether a call runs without a route pack: up to ``DIRECT_MAX_TOKENS`` tokens (one token's routes go to
+    distinct experts, so one 16-row tile per route is the pack's own tiling; with a few tokens an expert two
+    of them share takes two tiles), W4A16 on the small-tile Gluon kernels, and the workspace's intermediate
+    holds a tile per route. Saves the pack's launch (H200 decode: docs/perf-notes.md step 17)."""
+    return (DIRECT_DECODE and tokens <= DIRECT_MAX_TOKENS and not fp8 and cfg1.kernel == cfg2.kernel == "gluon_small"
             and cfg1.block_rows == TILE_ROWS[0]
             and route_pack_capacity(num_routes, num_experts, TILE_ROWS[0])[0] >= num_routes * TILE_ROWS[0])
 
@@ -384,8 +386,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
                              num_experts=direct.num_experts, HAS_MAP=direct.expert_map is not None,
                              expert_map_ptr=direct.expert_map if direct.expert_map is not None else direct.topk_ids)
                 if direct.sum_out is not None and not gemm1:
-                    extra.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, counters_ptr=direct.counters,
-                                 NUM_ROUTES=tiles)
+                    extra.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, stride_sum_out=direct.sum_out.stride(0),
+                                 counters_ptr=direct.counters, TOP_K=top_k)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     assert direct is None or cfg.kernel == "gluon_small"

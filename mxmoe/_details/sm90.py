@@ -77,8 +77,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                 sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32")
                 const.update(DIRECT=True, HAS_MAP=True)
                 if not gemm1:  # with the top-k sum (launch.DIRECT_SUM)
-                    sig.update(sum_out_ptr="*bf16", counters_ptr="*i32")
-                    const.update(SUM_ROUTES=True, NUM_ROUTES=8)
+                    sig.update(sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32")
+                    const.update(SUM_ROUTES=True, TOP_K=8)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
