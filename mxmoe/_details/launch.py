@@ -1,9 +1,9 @@
 """Launch plan of the Triton path: workspace, tile configs, the kernel sequence.
 
 Run path (no allocation once the workspace exists, no host sync, capturable):
-route pack (one kernel up to 1024 routes, else 2 fills + 3 kernels; none for one W4A16 token, ``direct_routes``)
--> [W4A8: quantize x rows] -> GEMM1 + activation -> [W4A8: quantize intermediate rows] -> GEMM2 + routing weight
--> top-k sum.
+route pack (one kernel up to 1024 routes, else 2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 +
+activation -> [W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> top-k sum. Up to
+``DIRECT_MAX_TOKENS`` W4A16 tokens (``direct_routes``): GEMM1 -> GEMM2 + routing weight + top-k sum, no pack.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
 DIRECT_DECODE = True  # a few tokens, W4A16 on the small-tile Gluon kernels: each route a 16-row tile of its own
 # and no route-pack launch (the GEMMs read the top-k ids themselves; docs/perf-notes.md step 17)
-DIRECT_MAX_TOKENS = 4  # up to which (a repeated expert costs a second tile: rare at a few tokens)
-DIRECT_SUM = True  # with DIRECT_DECODE: GEMM2's last program per column block adds the token's routed rows (no
-# top-k-sum launch)
+DIRECT_MAX_TOKENS = 4  # up to which (a repeated expert costs a second tile; measured slower from T=8)
+DIRECT_SUM = True  # with DIRECT_DECODE: GEMM2's last program per (token, column block) adds the token's routed
+# rows (no top-k-sum launch)
 
 
 @dataclass(frozen=True)
@@ -354,7 +354,8 @@ def direct_routes(tokens: int, num_routes: int, num_experts: int, fp8: bool, cfg
 @dataclass(frozen=True)
 class DirectRoutes:
     """The GEMMs' routing without a pack: route t is tile t (``direct_routes``); with ``sum_out``, GEMM2 also
-    writes the top-k sum there (arrivals counted in ``counters``, one per column block, zero between calls)."""
+    writes the top-k sum there (arrivals counted in ``counters``, one per (token, column block), zero between
+    calls)."""
     topk_ids: torch.Tensor
     expert_map: Optional[torch.Tensor]
     num_global: int
