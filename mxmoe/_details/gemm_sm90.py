@@ -35,6 +35,7 @@ from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
 SPLIT_WORKER_REGS = gl.constexpr(128)  # the small-tile kernel's second K-split warpgroup (decode tiles)
+_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # Triton 3.6 / 3.8 names
 
 
 @gluon.jit
@@ -128,7 +129,7 @@ def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters
     for the next call (which stream order puts after this kernel)."""
     token = pid_t // TOP_K
     counter = counters_ptr + token * gl.num_programs(0) + pid_n
-    gl.thread_barrier()
+    _cta_barrier()
     arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == TOP_K - 1:
         L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -733,14 +734,14 @@ def moe_gemm_small_kernel(
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
     out_ptr, stride_out, topk_weights_ptr,
     N, K, top_k, limit, alpha,
+    ids_ptr, expert_map_ptr, num_global, num_experts, sum_out_ptr, stride_sum_out, counters_ptr,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
-    DIRECT: gl.constexpr = False, ids_ptr=None, expert_map_ptr=None, num_global=0, num_experts=0,
-    HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False, sum_out_ptr=None, stride_sum_out=0,
-    counters_ptr=None, TOP_K: gl.constexpr = 0,
+    DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
+    TOP_K: gl.constexpr = 0,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -752,8 +753,9 @@ def moe_gemm_small_kernel(
     SM count): a second warpgroup runs the second half of the K steps on its own ring. ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
     wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
-    row blocks' unit, ``prepare.row_block_unit(K)``. ``DIRECT`` (a few tokens): no route pack; program column t takes
-    route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with ``HAS_MAP``, as the pack would mask
+    row blocks' unit, ``prepare.row_block_unit(K)``. ``ids_ptr`` .. ``counters_ptr``: the direct path's arguments
+    (passed always, placeholders without it: Triton 3.8 refuses runtime arguments left to a default).
+    ``DIRECT`` (a few tokens): no route pack; program column t takes route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with ``HAS_MAP``, as the pack would mask
     it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked route, so the top-k sum
     needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last program of each
     (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so

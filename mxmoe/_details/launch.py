@@ -382,6 +382,9 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **pdl)
             if pdl and early_weights(gemm1, cfg):
                 extra.update(EARLY_WEIGHTS=True)
+            # the direct path's arguments, placeholders without it (the kernel takes them always)
+            extra.update(ids_ptr=w_ref, expert_map_ptr=w_ref, num_global=0, num_experts=0, sum_out_ptr=out,
+                         stride_sum_out=0, counters_ptr=w_ref)
             if direct:
                 extra.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global,
                              num_experts=direct.num_experts, HAS_MAP=direct.expert_map is not None,

@@ -73,12 +73,11 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
             from .launch import early_weights
             const.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair,
                          EARLY_WEIGHTS=early_weights(gemm1, cfg))
-            if direct:
-                sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32")
-                const.update(DIRECT=True, HAS_MAP=True)
-                if not gemm1:  # with the top-k sum (launch.DIRECT_SUM)
-                    sig.update(sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32")
-                    const.update(SUM_ROUTES=True, TOP_K=8)
+            sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
+                       sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32")
+            # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
+            # top-k sum (launch.DIRECT_SUM) of 8 routes per token
+            const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
