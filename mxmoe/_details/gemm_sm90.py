@@ -1,14 +1,15 @@
 """Hopper main loops of the MoE GEMM template in Gluon.
 
 Same contract and arguments as :func:`gemm.moe_gemm_kernel` (``W · Aᵀ``: weight rows are the
-MMA's M, routed rows its N). Two kernels:
+MMA's M, routed rows its N; the small-tile kernel takes the direct path's arguments besides). Two kernels:
 
 - ``moe_gemm_small_kernel`` (both precisions; every GEMM in the default selection but one case below):
   one warpgroup reads exactly its wgmma register-operand words of the prepared (``interleave_block_bits``)
   weights and converts them in registers; no shared-memory round trip for the converted weights (see
   below); two accumulator chains (GEMM1's gate and up halves, GEMM2's two row blocks with ``PAIR``) let
   one convert while the other's MMA runs; for decode grids smaller than the SM count, two warpgroups
-  split the K steps.
+  split the K steps; for a few W4A16 tokens (``launch.direct_routes``) no route pack (a tile per route,
+  the experts from the top-k ids) and GEMM2 also does the top-k sum.
 - ``moe_gemm_ws_kernel`` (W4A16; in the default selection GEMM2 on 128-row tiles with N % 128 != 0): persistent,
   warp-specialized, async wgmma. Plain Triton 3.6 waits on every wgmma, so conversion and MMA never
   overlap there; here the partitions run concurrently, each walking the program's tiles:
