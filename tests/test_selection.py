@@ -166,6 +166,30 @@ def test_gemm2_two_block_form(rows, fp8, gemm1, n, pair):
         assert gemm_config(rows, 288, n, 1024, fp8, {"pair": not pair}, kernel="gluon_small", gemm1=gemm1).pair is not pair
 
 
+@pytest.mark.parametrize("tokens,top_k,E,fp8,kernel,direct", [
+    (1, 8, 288, False, "gluon_small", True),   # decode: no route pack
+    (4, 8, 288, False, "gluon_small", True),   # up to DIRECT_MAX_TOKENS
+    (5, 8, 288, False, "gluon_small", False),  # measured slower from T=8: the pack
+    (1, 8, 288, True, "gluon_small", False),   # W4A8 keeps the pack (its intermediate quantizer reads it)
+    (1, 8, 288, False, "triton", False),       # the plain template (CPU, interpreter) always packs
+    (4, 8, 8, False, "gluon_small", False),    # 32 routes on 8 experts: a tile per route does not fit
+    (2, 4, 8, False, "gluon_small", True),     # 8 routes on 8 experts fit
+])
+def test_direct_routes(tokens, top_k, E, fp8, kernel, direct):
+    """Which calls run without a route pack (``launch.direct_routes``)."""
+    from mxmoe._details import launch
+
+    R = tokens * top_k
+    cfg1 = launch.gemm_config(R, E, 1024, 4096, fp8, kernel=kernel, gemm1=True)
+    cfg2 = launch.gemm_config(R, E, 4096, 1024, fp8, kernel=kernel, gemm1=False)
+    assert launch.direct_routes(tokens, R, E, fp8, cfg1, cfg2) is direct
+    if direct:  # the workspace's intermediate holds a tile per route
+        assert launch.route_pack_capacity(R, E, cfg1.block_rows)[0] >= R * cfg1.block_rows
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(launch, "DIRECT_DECODE", False)
+        assert not launch.direct_routes(tokens, R, E, fp8, cfg1, cfg2)
+
+
 @pytest.mark.parametrize("rows,n,k,gemm1,sm_count,split", [
     (8, 1024, 4096, True, 132, 2),      # reference shape T=1: 16 x 8 programs fit on 132 SMs
     (16, 1024, 4096, True, 132, 1),     # T=2: up to 256 programs
