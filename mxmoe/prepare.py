@@ -123,18 +123,26 @@ def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
     return ((x << n) | (x >> (32 - n))) & 0xFFFFFFFF
 
 
+def _by_row_chunks(packed: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` on chunks of ``_CHUNK_BYTES`` of the rows of ``packed [..., K/2]`` (uint8, same shape out; ``fn``
+    takes and returns [n, K/2]): bounds the int64 temporaries of the bit placement."""
+    shape = packed.shape
+    flat = packed.reshape(-1, shape[-1])
+    out = torch.empty_like(flat)
+    rows = max(1, _CHUNK_BYTES // max(shape[-1], 1))
+    for r0 in range(0, flat.shape[0], rows):
+        out[r0:r0 + rows] = fn(flat[r0:r0 + rows])
+    return out.reshape(shape)
+
+
 def interleave_block_bits(packed: torch.Tensor) -> torch.Tensor:
     """Packed E2M1 ``[..., K/2]`` in source order (byte i = K 2i low nibble, K 2i + 1 high) -> the prepared
     order: per K32 block four little-endian 32-bit words, word q holding K = 8j + 2q + c (j = 0..3, c = 0, 1)
     with the bits placed so that the kernels' conversion of value pair j (sign to bit 15 + 16c, ``eem`` to bits
     8..6 + 16c) is: j = 0 the word masked, j = 1 shifted left by 4, j = 2 rotated left by 10, j = 3 shifted
     left by 6 (sign, e0, m) and right by 2 (e1); :func:`gather_block_bits` is the inverse."""
-    shape = packed.shape
-    flat = packed.reshape(-1, shape[-1])
-    out = torch.empty_like(flat)
-    rows = max(1, _CHUNK_BYTES // max(shape[-1], 1))
-    for r0 in range(0, flat.shape[0], rows):
-        b = flat[r0:r0 + rows].to(torch.int64)
+    def place(chunk):
+        b = chunk.to(torch.int64)
         n = b.shape[0]
         codes = torch.stack((b & 15, b >> 4), -1).reshape(n, -1, 4, 4, 2)  # [row, block, j, q, c]
         lane = ((codes & 8) << 12) | ((codes & 7) << 6)
@@ -142,27 +150,22 @@ def interleave_block_bits(packed: torch.Tensor) -> torch.Tensor:
         p0, p1, p2, p3 = pair.unbind(-1)
         words = p0 | (p1 >> 4) | _rotl(p2, 22) | ((p3 & 0x80C080C0) >> 6) | ((p3 & 0x01000100) << 2)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-        out[r0:r0 + n] = words.reshape(n, -1).view(torch.uint8)
-    return out.reshape(shape)
+        return words.reshape(n, -1).view(torch.uint8)
+    return _by_row_chunks(packed, place)
 
 
 def gather_block_bits(prepared: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`interleave_block_bits`: prepared ``[..., K/2]`` -> source-order packed E2M1."""
-    shape = prepared.shape
-    flat = prepared.reshape(-1, shape[-1])
-    out = torch.empty_like(flat)
-    rows = max(1, _CHUNK_BYTES // max(shape[-1], 1))
-    for r0 in range(0, flat.shape[0], rows):
-        chunk = flat[r0:r0 + rows].contiguous()
+    def gather(chunk):
         n = chunk.shape[0]
-        w = chunk.view(torch.int32).to(torch.int64).reshape(n, -1, 4) & 0xFFFFFFFF  # [row, block, q]
+        w = chunk.contiguous().view(torch.int32).to(torch.int64).reshape(n, -1, 4) & 0xFFFFFFFF  # [row, block, q]
         pair = torch.stack((w & _PAIR_MASK, (w << 4) & _PAIR_MASK, _rotl(w, 10) & _PAIR_MASK,
                             ((w << 6) & 0x80C080C0) | ((w >> 2) & 0x01000100)), -1)  # [row, block, q, j]
         lane = torch.stack((pair & 0xFFFF, pair >> 16), -1)  # [row, block, q, j, c]
         codes = ((lane >> 12) & 8) | ((lane >> 6) & 7)
         codes = codes.transpose(2, 3).reshape(n, -1, 2)  # K order: [row, K/2, nibble]
-        out[r0:r0 + n] = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
-    return out.reshape(shape)
+        return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return _by_row_chunks(prepared, gather)
 
 
 def row_block_unit(k: int) -> int:

@@ -40,9 +40,10 @@ def expand_blocks(v, BM: tl.constexpr, BK: tl.constexpr):
 
 
 # W4A16 folds each K32 block's 2**(b - r) into the BF16 weights, r = min(ref, FOLD_REF_MAX) per weight row
-# (``ref`` its largest scale byte), as the BF16 exponent field 253 + b - r of a factor 2**(126 + b - r): in
-# [0, 254] for every scale byte b <= ref, so no clamp, and the factor's BF16x2 bits (the field times 0x00800080)
-# are one multiply-add of b with a per-row constant. The epilogue multiplies each row by 2**(r - 127).
+# (``ref`` its largest scale byte), as the BF16 exponent field FOLD_REF_MAX + b - r of a factor 2**(126 + b - r)
+# (253 = 126 for the placement's 2**-126, + 127 the bias): in [0, 254] for every scale byte b <= ref, so no
+# clamp, and the factor's BF16x2 bits (the field times 0x00800080) are one multiply-add of b with a per-row
+# constant. The epilogue multiplies each row by 2**(r - 127).
 FOLD_REF_MAX = tl.constexpr(253)
 
 

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, e2m1_to_bf16,
-                      e2m1_to_e4m3_scaled_by_2pow_minus6, expand_blocks, fold_ref, pow2, prepared_codes, store_rounded)
+                      FOLD_REF_MAX, e2m1_to_e4m3_scaled_by_2pow_minus6, expand_blocks, fold_ref, pow2, prepared_codes,
+                      store_rounded)
 
 
 @triton.jit
@@ -23,7 +24,7 @@ def _bf16_weights(words, d, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constex
     if PURE:  # plain Triton bit construction, per element
         return e2m1_to_bf16(prepared_codes(words, BM, BK), expand_blocks(d, BM, BK))
     else:  # the Gluon kernels' asm: masked shifts, one BF16 multiply by 2**(126 + d) per value pair
-        f = (253 + d) << 7  # in [0, 254] (``convert.FOLD_REF_MAX``)
+        f = (FOLD_REF_MAX + d) << 7  # the factor's exponent field, in [0, 254]
         f = tl.broadcast_to((f | (f << 16))[:, :, None], (BM, BK // 32, 4)).reshape(BM, BK // 8)
         x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
             E2M1X8_TO_BF16_HALVES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f], dtype=(tl.bfloat16, ) * 8,

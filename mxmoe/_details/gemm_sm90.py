@@ -317,7 +317,7 @@ def _converter(s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k,
                         # this stage's scale bytes: a compile-time column of the in-thread group tile
                         b = gl.convert_layout(gl.sum(gl.where((gg == g)[None, :, None], sc, 0), axis=1), SL)
                         # BF16x2 2**(126 + b - ref) per block (field in [0, 254]), beside every word of it
-                        f = (253 + b - ref) << 7
+                        f = (FOLD_REF_MAX + b - ref) << 7
                         f2 = gl.convert_layout((gl.expand_dims(f | (f << 16), 2) + gl.zeros([BM, NC, 4], gl.int32, L3))
                                                .reshape(BM, BK // 8), PL)
                         o0, o1, o2, o3 = gl.inline_asm_elementwise(E2M1X8_TO_BF16_KORDER_ASM, "=r,=r,=r,=r,r,r",
@@ -588,15 +588,15 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                                                    w_row0, K, GEMM1, BM, BT, BK, U, DIRECT)
 
     # scale bytes, one value per (row, block) of the thread's operand, and W4A16's per-row addend of the block
-    # factors: BF16x2 bits (253 + b - r) * 0x00800080 = b * 0x00800080 + (253 - r) * 0x00800080 (``_fold_ref``)
+    # factors: BF16x2 bits (FOLD_REF_MAX + b - r) * 0x00800080 = b * 0x00800080 + (FOLD_REF_MAX - r) * 0x00800080
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
     s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
     up_scales = half_rows * (K // 32)
-    fac0_g = _opaque((253 - _fold_ref(ref_ptr + w_row0 + sm)) * 0x00800080)[:, None]
+    fac0_g = _opaque((FOLD_REF_MAX - _fold_ref(ref_ptr + w_row0 + sm)) * 0x00800080)[:, None]
     fac0_u = fac0_g
     if NH == 2:
-        fac0_u = _opaque((253 - _fold_ref(ref_ptr + w_row0 + half_rows + sm)) * 0x00800080)[:, None]
+        fac0_u = _opaque((FOLD_REF_MAX - _fold_ref(ref_ptr + w_row0 + half_rows + sm)) * 0x00800080)[:, None]
 
     # prologue: stages 0 .. S-2 in flight (with EARLY_WEIGHTS their weights before the wait, the rest after it)
     for j in gl.static_range(NUM_STAGES - 1):
@@ -782,11 +782,12 @@ def moe_gemm_small_kernel(
     else:
         expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
         has_tile = pid_t < gl.load(num_tiles_ptr)
+    WIDTH: gl.constexpr = 2 * BM if PAIR else BM  # output columns per program
     if has_tile:
         NB: gl.constexpr = BK // 32
         NH: gl.constexpr = 2 if GEMM1 or PAIR else 1
         # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
-        expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, 2 * BM if PAIR else BM, BT)
+        expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, WIDTH, BT)
         half_rows = N if GEMM1 else BM
         num_k = K // BK
         MMA: gl.constexpr = _small_mma_layout(BT, FP8)
@@ -834,8 +835,8 @@ def moe_gemm_small_kernel(
             _wait_for_previous_kernel()
         if DIRECT and not GEMM1:  # a masked route's row of the routed output is zero (the top-k sum adds it)
             ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-            cols = pid_n * (2 * BM if PAIR else BM) + gl.arange(0, 2 * BM if PAIR else BM, layout=ZL)
+            cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=ZL)
             gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty))
     if SUM_ROUTES:
-        _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t,
-                            2 * BM if PAIR else BM, TOP_K)
+        _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t, WIDTH,
+                            TOP_K)
