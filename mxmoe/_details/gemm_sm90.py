@@ -154,23 +154,27 @@ def _tile_routes(routes_ptr, slots, BT: gl.constexpr, DIRECT: gl.constexpr):
 @gluon.jit
 def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
                    GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, U: gl.constexpr,
-                   DIRECT: gl.constexpr = False):
+                   DIRECT: gl.constexpr = False, half_rows=0, NH: gl.constexpr = 1):
     """16-B ``cp.async`` sources of a tile's first K step, for the calling partition's warps: packed rows
     [BM, BK/2] (BK/2 bytes = BK/32 K32 blocks of 16 B) and the gathered activation rows [BT, BK] (GEMM1 the
     token of each route, GEMM2 the slot itself); ``ok`` marks rows holding a route. Also the packed row
     stride in bytes. The packed rows are in the prepared 64-row blocks of ``U``-byte units
     (``prepare.to_row_blocks``; ``w_row0`` and the rows per expert are multiples of 64): a step's [64, BK/2]
-    bytes are one contiguous piece where BK/2 >= U (``_issue_stage`` adds the step's offset)."""
+    bytes are one contiguous piece where BK/2 >= U (``_issue_stage`` adds the step's offset). ``NH`` = 2: the
+    packed rows of both halves ([2 BM, BK/2], the second ``half_rows`` rows after the first), for one copy."""
     NC: gl.constexpr = BK // 32
     PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
     EPV: gl.constexpr = 128 // a_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-B copy
     CPR: gl.constexpr = BK // EPV
     AL: gl.constexpr = gl.BlockedLayout([1, EPV], [32 // CPR, CPR], [gl.num_warps(), 1], [1, 0])
     row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
-    pm = gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
+    pm = gl.arange(0, NH * BM, layout=gl.SliceLayout(1, PL))
     pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
     # row block (pm // 64), unit (pk // U) of 64 rows x U bytes, row in the block, byte
-    w_ptrs = (w_ptr + ((w_row0 + (pm // 64) * 64).to(gl.int64) * row_bytes + (pm % 64) * U)[:, None]
+    first = w_row0 + (pm // 64) * 64
+    if NH == 2:
+        first = w_row0 + (pm // BM) * half_rows + ((pm % BM) // 64) * 64
+    w_ptrs = (w_ptr + (first.to(gl.int64) * row_bytes + (pm % 64) * U)[:, None]
               + (pk + (pk // U) * (64 * U - U))[None, :])
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
     routes = _tile_routes(routes_ptr, slots, BT, DIRECT)
@@ -194,12 +198,19 @@ def _step_offset(step, BK: gl.constexpr, U: gl.constexpr):
 
 @gluon.jit
 def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, slot, step, NH: gl.constexpr,
-                 BK: gl.constexpr, U: gl.constexpr, PART: gl.constexpr = 0):
+                 BK: gl.constexpr, U: gl.constexpr, PART: gl.constexpr = 0, JOINED: gl.constexpr = False,
+                 BM: gl.constexpr = 64, NUM_STAGES: gl.constexpr = 1):
     """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
     of each half (``half_rows`` apart) and the gathered activation rows; every calling thread then arrives on
     the slot's ``loaded`` barrier once its own copies have landed (count = the calling threads). ``PART`` 1:
-    the packed rows only; 2: the rest (activation rows, arrive)."""
-    if PART != 2:
+    the packed rows only; 2: the rest (activation rows, arrive). ``JOINED``: ``w_ptrs`` cover both halves
+    (``_copy_pointers`` with NH = 2), one copy into the slot's halves viewed as one [NH BM, BK/2] tile: Triton's
+    shared-memory barrier pass puts a CTA barrier between two copies into one allocation (docs/perf-notes.md
+    step 18)."""
+    if PART != 2 and JOINED:
+        halves = packed._reinterpret(gl.uint8, [NUM_STAGES, NH * BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        async_copy.async_copy_global_to_shared(halves.index(slot), w_ptrs + _step_offset(step, BK, U))
+    if PART != 2 and not JOINED:
         for h in gl.static_range(NH):
             async_copy.async_copy_global_to_shared(packed.index(slot * NH + h),
                                                    w_ptrs + h * half_rows * row_bytes + _step_offset(step, BK, U))
@@ -585,7 +596,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
-                                                   w_row0, K, GEMM1, BM, BT, BK, U, DIRECT)
+                                                   w_row0, K, GEMM1, BM, BT, BK, U, DIRECT, half_rows, NH)
 
     # scale bytes, one value per (row, block) of the thread's operand, and W4A16's per-row addend of the block
     # factors: BF16x2 bits (FOLD_REF_MAX + b - r) * 0x00800080 = b * 0x00800080 + (FOLD_REF_MAX - r) * 0x00800080
@@ -602,13 +613,13 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     for j in gl.static_range(NUM_STAGES - 1):
         if j < num_steps:
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK, U,
-                         1 if EARLY_WEIGHTS else 0)
+                         1 if EARLY_WEIGHTS else 0, True, BM, NUM_STAGES)
     if EARLY_WEIGHTS:
         _wait_for_previous_kernel()
         for j in gl.static_range(NUM_STAGES - 1):
             if j < num_steps:
                 _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK, U, 2)
+                             BK, U, 2, True, BM, NUM_STAGES)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -657,7 +668,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                 nxt = i + NUM_STAGES - 1
                 if nxt < num_steps:
                     _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
-                                 first_step + nxt, NH, BK, U)
+                                 first_step + nxt, NH, BK, U, 0, True, BM, NUM_STAGES)
                 if SCALE_WORDS:
                     shift = (8 * (g * NB + sb))[None, :]
                     sc_g = (cur_wg[:, None] >> shift) & 0xFF
