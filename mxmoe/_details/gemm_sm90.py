@@ -35,7 +35,6 @@ from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
-SPLIT_WORKER_REGS = gl.constexpr(128)  # the small-tile kernel's second K-split warpgroup (decode tiles)
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # Triton 3.6 / 3.8 names
 
 
@@ -753,7 +752,7 @@ def moe_gemm_small_kernel(
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
-    TOP_K: gl.constexpr = 0,
+    TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -762,7 +761,8 @@ def moe_gemm_small_kernel(
     scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): E2M1 * 2**-6 in
     E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 121)
     into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
-    SM count): a second warpgroup runs the second half of the K steps on its own ring. ``PAIR`` (GEMM2): a
+    SM count): a second warpgroup runs the second half of the K steps on its own ring, with ``SPLIT_REGS``
+    registers per thread (the launch's ``maxnreg``). ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
     wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
     row blocks' unit, ``prepare.row_block_unit(K)``. ``ids_ptr`` .. ``counters_ptr``: the direct path's arguments
@@ -825,7 +825,7 @@ def moe_gemm_small_kernel(
                 (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
                                           w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial, done, GEMM1,
                                           NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, DIRECT)),
-            ], [4], [SPLIT_WORKER_REGS])
+            ], [4], [SPLIT_REGS])
             mbarrier.wait(done, 0)
             acc_g = acc_g + partial.index(0).load(MMA)
             if NH == 2:

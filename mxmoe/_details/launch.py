@@ -380,6 +380,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         if cfg.kernel == "gluon_small":
             pdl = _pdl(out.device, kernel_arg=False)
             extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **pdl)
+            if cfg.k_split == 2:  # the second warpgroup's register budget, as the first's
+                extra.update(SPLIT_REGS=cfg.maxnreg or 128)
             if pdl and early_weights(gemm1, cfg):
                 extra.update(EARLY_WEIGHTS=True)
             # the direct path's arguments, placeholders without it (the kernel takes them always)

@@ -77,7 +77,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                        sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32")
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
             # top-k sum (launch.DIRECT_SUM) of 8 routes per token
-            const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0)
+            const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0,
+                         SPLIT_REGS=cfg.maxnreg or 128)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
