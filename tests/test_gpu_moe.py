@@ -177,7 +177,9 @@ def test_deterministic(precision):
 def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch):
     """Up to ``launch.DIRECT_MAX_TOKENS`` W4A16 tokens run without a route pack and GEMM2 sums their routes:
     the bits of the packed path, with an expert repeated in a token and across tokens, masked routes (-1,
-    out of range, mapped to -1), a fully masked token and all routes masked."""
+    out of range, mapped to -1), a fully masked token and all routes masked. Where GEMM1 splits its K steps over
+    two programs (``k_parts``: the 2880 shape at T=1) the halves are added, not chained: the same bits run to run,
+    rounding apart from the packed path."""
     from mxmoe._details import launch
 
     assert T <= launch.DIRECT_MAX_TOKENS
@@ -199,6 +201,8 @@ def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch)
         rows.append((head + [base + 20 + 9 * t + j for j in range(top_k)])[:top_k])
     w = torch.rand(T, top_k, device="cuda") + 0.1
     ws = mxmoe.Workspace(ex, max_tokens=8, top_k=top_k)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k_parts = launch.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small", gemm1=True, sm_count=sms).k_parts
     for ids_rows in (rows, [[-1] * top_k] * T):
         ids = torch.tensor(ids_rows, dtype=ids_dtype, device="cuda")
         with monkeypatch.context() as m:
@@ -206,6 +210,7 @@ def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch)
             m.setattr(launch, "topk_sum_kernel", None)  # GEMM2 sums the routes (launch.DIRECT_SUM)
             direct = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
         assert (ws.sum_counters == 0).all()  # the last arrival reset each (token, column block) counter
+        assert (ws.part_counters == 0).all()  # and each (route, column block) counter of GEMM1's K halves
         with monkeypatch.context() as m:
             m.setattr(launch, "DIRECT_SUM", False)
             unfused = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
@@ -213,7 +218,10 @@ def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch)
             m.setattr(launch, "DIRECT_DECODE", False)
             packed = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
         assert torch.equal(direct.view(torch.int16), unfused.view(torch.int16))
-        assert torch.equal(direct.view(torch.int16), packed.view(torch.int16))
+        if k_parts == 1:
+            assert torch.equal(direct.view(torch.int16), packed.view(torch.int16))
+        else:
+            assert torch.isfinite(direct).all() and relative_l2(direct.float(), packed.float()) < 2e-3
         if ids_rows[0][0] == -1:
             assert (direct == 0).all()
         else:

@@ -142,6 +142,32 @@ def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters
 
 
 @gluon.jit
+def _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM: gl.constexpr, BT: gl.constexpr,
+                  MMA: gl.constexpr):
+    """``K_PARTS`` = 2 (direct GEMM1): programs (pid_n, pid_t, 0) and (pid_n, pid_t, 1) summed halves of the K
+    steps. Each stores its FP32 sums of the tile's route (slot 0) in ``parts_ptr`` and arrives on the (route,
+    column block) counter after a CTA barrier (as ``_sum_routes_if_last``); the second to arrive adds the other
+    half's sums (a + b: the same bits whichever program is second), resets the counter and returns
+    ``last`` = True, so it alone runs the epilogue. Other slots hold no route and are left as they are."""
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
+    at = rows[:, None] + 0 * cols[None, :]  # [BM, BT]: each row's slot-0 sum, stored from column 0 only
+    first_col = (cols == 0)[None, :] & (rows >= 0)[:, None]
+    tile = pid_t * gl.num_programs(0) + pid_n
+    mine = parts_ptr + (tile * 4 + gl.program_id(2) * 2).to(gl.int64) * BM + at
+    gl.store(mine, acc_g, mask=first_col)
+    gl.store(mine + BM, acc_u, mask=first_col)
+    _cta_barrier()
+    last = gl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu") == 1
+    if last:
+        other = parts_ptr + (tile * 4 + (1 - gl.program_id(2)) * 2).to(gl.int64) * BM + at
+        acc_g = acc_g + gl.load(other, mask=first_col, other=0.0, cache_modifier=".cg")
+        acc_u = acc_u + gl.load(other + BM, mask=first_col, other=0.0, cache_modifier=".cg")
+        gl.store(counters_ptr + tile, 0)
+    return acc_g, acc_u, last
+
+
+@gluon.jit
 def _tile_routes(routes_ptr, slots, BT: gl.constexpr, DIRECT: gl.constexpr):
     """The route of each slot (-1: padding). ``DIRECT``: no route pack; tile t holds route t in its first slot."""
     if DIRECT:
@@ -745,14 +771,14 @@ def moe_gemm_small_kernel(
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
     out_ptr, stride_out, topk_weights_ptr,
     N, K, top_k, limit, alpha,
-    ids_ptr, expert_map_ptr, num_global, num_experts, sum_out_ptr, stride_sum_out, counters_ptr,
+    ids_ptr, expert_map_ptr, num_global, num_experts, sum_out_ptr, stride_sum_out, counters_ptr, parts_ptr,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
-    TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128,
+    TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -771,11 +797,14 @@ def moe_gemm_small_kernel(
     it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked route, so the top-k sum
     needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last program of each
     (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
-    no top-k-sum launch follows."""
+    no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose
+    grid fills the SMs unevenly): grid axis 2 splits the K steps over two programs, joined by ``_join_k_parts``
+    in ``parts_ptr`` / ``counters_ptr``."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
     gl.static_assert(not SUM_ROUTES or (DIRECT and not GEMM1 and TOP_K > 0))
+    gl.static_assert(K_PARTS == 1 or (K_PARTS == 2 and DIRECT and GEMM1 and KSPLIT == 1))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
     # before it is either a plain launch (W4A8's row quantizer) or GEMM1, which lets it launch only after its
@@ -805,8 +834,15 @@ def moe_gemm_small_kernel(
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
         packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
         if KSPLIT == 1:
+            first_k = 0
+            steps = num_k
+            if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps (at whole scale-word groups)
+                PG: gl.constexpr = 4 // NB if SCALE_WORDS else 1
+                part = (num_k // (2 * PG)) * PG
+                first_k = gl.program_id(2) * part
+                steps = part + gl.program_id(2) * (num_k - 2 * part)
             acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                                        w_row0, slot0, half_rows, K, top_k, 0, num_k, GEMM1, NH, FP8, BM, BT, BK,
+                                        w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8, BM, BT, BK,
                                         NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT)
         else:
             # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
@@ -830,15 +866,19 @@ def moe_gemm_small_kernel(
             acc_g = acc_g + partial.index(0).load(MMA)
             if NH == 2:
                 acc_u = acc_u + partial.index(1).load(MMA)
-        if not FP8:
-            acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM, gl.SliceLayout(1, MMA))
-        _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                  topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
-                  HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
-        if PAIR:  # the second block's rows
-            _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                      topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
-                      FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+        last = True
+        if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
+            acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
+        if last:
+            if not FP8:
+                acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM, gl.SliceLayout(1, MMA))
+            _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                      topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
+                      HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+            if PAIR:  # the second block's rows
+                _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                          topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
+                          SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
     else:
         if EARLY_WEIGHTS:
             # a program without a tile waits too: a kernel must not complete before the one it follows (else the

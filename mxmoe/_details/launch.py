@@ -7,6 +7,7 @@ activation -> [W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> to
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class GemmConfig:
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
     pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
+    k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
+    # that fill the SMs unevenly)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
@@ -139,6 +142,13 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # (T=1 on the H200: 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12)
         if gemm1 and sm_count and rows <= num_experts and (n // 64) * rows <= sm_count and k >= 512:
             cfg.update(k_split=2, maxnreg=128)
+        # decode GEMM1 with between 1 and 1.5 programs per SM (E=128, H=I=2880, top_k=4 at T=1: 180 on 132): a
+        # third of the SMs would run two programs while the rest run one; two programs per tile, each half of the
+        # K steps, even that out (only without a route pack, ``direct_routes``: the halves join per route).
+        # docs/perf-notes.md step 18
+        elif (gemm1 and not fp8 and sm_count and rows <= num_experts and sm_count < (n // 64) * rows <= 3 * sm_count // 2
+              and k >= 512):
+            cfg.update(k_parts=2)
         # W4A8: 128 K per stage where the scale words allow (4 K32 blocks: the MMA of each block but the last
         # runs under the previous block's rescale, half the ring barriers per K): H200, T=8192 GEMM1 3.02 -> 2.76,
         # GEMM2 1.71 -> 1.63 ms, T=1024 (3 stages) 0.63 -> 0.58, 0.34 -> 0.30 ms; docs/perf-notes.md step 13
@@ -174,6 +184,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
         if cfg["k_split"] not in (1, 2):
             raise ValueError("k_split must be 1 or 2")
+        if cfg.get("k_parts", 1) not in (1, 2) or (cfg.get("k_parts", 1) == 2 and (not gemm1 or fp8 or cfg["k_split"] != 1)):
+            raise ValueError("k_parts=2 is for W4A16 GEMM1 without k_split")
         if cfg["block_m"] != 64 or cfg["num_warps"] != 4:
             raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
         if cfg["pair"] and gemm1:
@@ -254,6 +266,11 @@ class Workspace:
         # arrivals per (token, GEMM2 column block) of the top-k sum inside GEMM2 (DIRECT_SUM); the last program
         # resets its counter, so they are zero between calls
         self.sum_counters = torch.zeros(DIRECT_MAX_TOKENS * (H // 64), **i32)
+        # GEMM1's K halves (k_parts): FP32 sums of each (route, column block, half, gate/up) and arrivals per (route,
+        # column block), zero between calls
+        direct_tiles = DIRECT_MAX_TOKENS * top_k * (I // 64)
+        self.part_sums = torch.empty(direct_tiles * 4 * 64, dtype=torch.float32, device=device)
+        self.part_counters = torch.zeros(direct_tiles, **i32)
         if fp8:
             self.x_q = torch.empty(max_tokens, H, dtype=torch.float8_e4m3fn, device=device)
             self.x_scale = torch.empty(max_tokens, dtype=torch.float32, device=device)
@@ -362,12 +379,14 @@ class DirectRoutes:
     num_experts: int
     sum_out: Optional[torch.Tensor] = None
     counters: Optional[torch.Tensor] = None
+    part_sums: Optional[torch.Tensor] = None  # GEMM1's K halves (GemmConfig.k_parts) and their arrivals
+    part_counters: Optional[torch.Tensor] = None
 
 
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None):
     tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel()
-    grid = (n // (cfg.block_m * (2 if cfg.pair else 1)), tiles)
+    grid = (n // (cfg.block_m * (2 if cfg.pair else 1)), tiles, cfg.k_parts)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
@@ -386,7 +405,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
                 extra.update(EARLY_WEIGHTS=True)
             # the direct path's arguments, placeholders without it (the kernel takes them always)
             extra.update(ids_ptr=w_ref, expert_map_ptr=w_ref, num_global=0, num_experts=0, sum_out_ptr=out,
-                         stride_sum_out=0, counters_ptr=w_ref)
+                         stride_sum_out=0, counters_ptr=w_ref, parts_ptr=direct.part_sums if direct else out)
             if direct:
                 extra.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global,
                              num_experts=direct.num_experts, HAS_MAP=direct.expert_map is not None,
@@ -394,6 +413,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
                 if direct.sum_out is not None and not gemm1:
                     extra.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, stride_sum_out=direct.sum_out.stride(0),
                                  counters_ptr=direct.counters, TOP_K=top_k)
+                if cfg.k_parts == 2:
+                    extra.update(K_PARTS=2, counters_ptr=direct.part_counters)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     assert direct is None or cfg.kernel == "gluon_small"
@@ -443,9 +464,11 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
     direct = None
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
         n_global = E if expert_map is None else expert_map.numel()
-        direct = DirectRoutes(topk_ids, expert_map, n_global, E, *((out, workspace.sum_counters) if DIRECT_SUM else ()))
+        sums = (out, workspace.sum_counters) if DIRECT_SUM else (None, None)
+        direct = DirectRoutes(topk_ids, expert_map, n_global, E, *sums, workspace.part_sums, workspace.part_counters)
         pack, max_rows = None, R * cfg1.block_rows
     else:
+        cfg1 = dataclasses.replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
         pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
         max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"

@@ -74,11 +74,11 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
             const.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair,
                          EARLY_WEIGHTS=early_weights(gemm1, cfg))
             sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
-                       sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32")
+                       sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32")
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
             # top-k sum (launch.DIRECT_SUM) of 8 routes per token
             const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0,
-                         SPLIT_REGS=cfg.maxnreg or 128)
+                         SPLIT_REGS=cfg.maxnreg or 128, K_PARTS=cfg.k_parts)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
@@ -113,7 +113,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
     Gluon kernel at ``small_rows`` (both precisions), and at its first rows also with per-step scale-byte
     loads (the form for K % 128 != 0), with the decode K split (two warpgroups) and, W4A16, without a route pack
-    (one token, ``launch.direct_routes``)."""
+    (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``)."""
     from .launch import gemm_config
 
     out = []
@@ -123,8 +123,9 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False), False) for fp8 in (False, True)]
     cases += [("gluon_small", small_rows[0], fp8, dict(k_split=2, maxnreg=128), False) for fp8 in (False, True)]
     cases += [("gluon_small", small_rows[0], False, {}, True)]
+    cases += [("gluon_small", small_rows[0], False, dict(k_split=1, maxnreg=0, k_parts=2), True)]  # GEMM1 only
     for kernel, r, fp8, override, direct in cases:
-        for gemm1 in (True, False):
+        for gemm1 in ((True, ) if "k_parts" in override else (True, False)):
             n, k = (I, H) if gemm1 else (H, I)
             # the direct decode case as launched: GEMM1 with the K split of a one-token grid
             cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1, sm_count=132 if direct else 0)
