@@ -214,6 +214,28 @@ def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
         gemm_config(rows, 288, n, 128, False, {"k_split": 2}, kernel="gluon_small", gemm1=gemm1)
 
 
+@pytest.mark.parametrize("rows,E,n,k,gemm1,fp8,sm_count,parts", [
+    (4, 128, 2880, 2880, True, False, 132, 2),   # E=128, H=I=2880, top_k=4, T=1: 180 GEMM1 programs on 132 SMs
+    (4, 32, 2880, 2880, True, False, 132, 2),    # E=32, the same grid
+    (8, 128, 2880, 2880, True, False, 132, 1),   # T=2: 360 programs, even enough
+    (8, 288, 1024, 4096, True, False, 132, 1),   # reference shape T=1: the in-program split instead
+    (4, 128, 2880, 2880, False, False, 132, 1),  # GEMM2 (measured no faster)
+    (4, 128, 2880, 2880, True, True, 132, 1),    # W4A8 (never without a route pack)
+    (4, 128, 2880, 2880, True, False, 0, 1),     # SM count unknown
+])
+def test_decode_k_parts(rows, E, n, k, gemm1, fp8, sm_count, parts):
+    """Decode GEMM1 grids of 1 to 1.5 programs per SM split their K steps over two programs (``k_parts``)."""
+    from mxmoe._details.launch import gemm_config
+
+    cfg = gemm_config(rows, E, n, k, fp8, kernel="gluon_small", gemm1=gemm1, sm_count=sm_count)
+    assert cfg.k_parts == parts
+    assert parts == 1 or cfg.k_split == 1
+    with pytest.raises(ValueError, match="k_parts"):  # GEMM1 of W4A16 only, not with the in-program split
+        gemm_config(rows, E, n, k, fp8, {"k_parts": 2, "k_split": 2}, kernel="gluon_small", gemm1=gemm1)
+    with pytest.raises(ValueError, match="k_parts"):
+        gemm_config(rows, E, k, n, False, {"k_parts": 2}, kernel="gluon_small", gemm1=False)
+
+
 @pytest.mark.parametrize("rows,fp8,gemm1,k,block_k,stages", [
     (8, False, False, 1024, 128, 4),        # decode W4A16 GEMM2: 16-row tiles, 128-K stages
     (288 * 12, False, False, 1024, 128, 4),

@@ -791,15 +791,14 @@ def moe_gemm_small_kernel(
     registers per thread (the launch's ``maxnreg``). ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
     wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
-    row blocks' unit, ``prepare.row_block_unit(K)``. ``ids_ptr`` .. ``counters_ptr``: the direct path's arguments
+    row blocks' unit, ``prepare.row_block_unit(K)``. ``ids_ptr`` .. ``parts_ptr``: the direct path's arguments
     (passed always, placeholders without it: Triton 3.8 refuses runtime arguments left to a default).
     ``DIRECT`` (a few tokens): no route pack; program column t takes route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with ``HAS_MAP``, as the pack would mask
     it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked route, so the top-k sum
     needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last program of each
     (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
-    no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose
-    grid fills the SMs unevenly): grid axis 2 splits the K steps over two programs, joined by ``_join_k_parts``
-    in ``parts_ptr`` / ``counters_ptr``."""
+    no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose grid fills the SMs unevenly): grid axis 2
+    splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))

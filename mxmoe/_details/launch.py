@@ -7,10 +7,9 @@ activation -> [W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> to
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -468,7 +467,7 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
         direct = DirectRoutes(topk_ids, expert_map, n_global, E, *sums, workspace.part_sums, workspace.part_counters)
         pack, max_rows = None, R * cfg1.block_rows
     else:
-        cfg1 = dataclasses.replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
+        cfg1 = replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
         pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
         max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"
