@@ -119,19 +119,25 @@ def _direct_expert(ids_ptr, expert_map_ptr, route, num_global, num_experts, HAS_
 
 
 @gluon.jit
+def _last_arrival(counter, ARRIVALS: gl.constexpr):
+    """Whether this program is the last of ``ARRIVALS`` to arrive on ``counter`` (int32 in global memory): a CTA
+    barrier, then one thread's GPU-scope acq_rel increment (its release covers every thread's earlier stores, as
+    a semaphore release after ``__syncthreads``; its acquire, the last program's reads of the others' stores).
+    The caller's last program resets the counter for the next call, which stream order puts after this kernel."""
+    _cta_barrier()
+    return gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1
+
+
+@gluon.jit
 def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters_ptr, pid_n, pid_t,
                         WIDTH: gl.constexpr, TOP_K: gl.constexpr):
     """The top-k sum inside GEMM2 (``DIRECT``: program column t wrote route t's routed row; token t // TOP_K):
-    each program arrives on its (token, column block) counter after a CTA barrier (one thread's GPU-scope
-    release then covers every thread's stores, as a semaphore release after ``__syncthreads``); the last to
-    arrive adds the token's ``TOP_K`` routed rows of the block in route order in FP32 (as
-    ``elementwise.topk_sum_kernel``: the same bits; L2 reads, other SMs wrote them) and resets the counter
-    for the next call (which stream order puts after this kernel)."""
+    each program arrives on its (token, column block) counter (``_last_arrival``); the last to arrive adds the
+    token's ``TOP_K`` routed rows of the block in route order in FP32 (as ``elementwise.topk_sum_kernel``: the
+    same bits; L2 reads, other SMs wrote them)."""
     token = pid_t // TOP_K
     counter = counters_ptr + token * gl.num_programs(0) + pid_n
-    _cta_barrier()
-    arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == TOP_K - 1:
+    if _last_arrival(counter, TOP_K):
         L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=L)
         acc = gl.zeros([WIDTH], gl.float32, L)
@@ -146,9 +152,9 @@ def _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM: gl.co
                   MMA: gl.constexpr):
     """``K_PARTS`` = 2 (direct GEMM1): programs (pid_n, pid_t, 0) and (pid_n, pid_t, 1) summed halves of the K
     steps. Each stores its FP32 sums of the tile's route (slot 0) in ``parts_ptr`` and arrives on the (route,
-    column block) counter after a CTA barrier (as ``_sum_routes_if_last``); the second to arrive adds the other
-    half's sums (a + b: the same bits whichever program is second), resets the counter and returns
-    ``last`` = True, so it alone runs the epilogue. Other slots hold no route and are left as they are."""
+    column block) counter (``_last_arrival``); the second to arrive adds the other half's sums (a + b: the same
+    bits whichever program is second) and returns ``last`` = True, so it alone runs the epilogue. Other slots
+    hold no route and are left as they are."""
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     cols = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
     at = rows[:, None] + 0 * cols[None, :]  # [BM, BT]: each row's slot-0 sum, stored from column 0 only
@@ -157,8 +163,7 @@ def _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM: gl.co
     mine = parts_ptr + (tile * 4 + gl.program_id(2) * 2).to(gl.int64) * BM + at
     gl.store(mine, acc_g, mask=first_col)
     gl.store(mine + BM, acc_u, mask=first_col)
-    _cta_barrier()
-    last = gl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu") == 1
+    last = _last_arrival(counters_ptr + tile, 2)
     if last:
         other = parts_ptr + (tile * 4 + (1 - gl.program_id(2)) * 2).to(gl.int64) * BM + at
         acc_g = acc_g + gl.load(other, mask=first_col, other=0.0, cache_modifier=".cg")
@@ -223,8 +228,7 @@ def _step_offset(step, BK: gl.constexpr, U: gl.constexpr):
 
 @gluon.jit
 def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, slot, step, NH: gl.constexpr,
-                 BK: gl.constexpr, U: gl.constexpr, PART: gl.constexpr = 0, JOINED: gl.constexpr = False,
-                 BM: gl.constexpr = 64, NUM_STAGES: gl.constexpr = 1):
+                 BK: gl.constexpr, U: gl.constexpr, PART: gl.constexpr = 0, JOINED: gl.constexpr = False):
     """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
     of each half (``half_rows`` apart) and the gathered activation rows; every calling thread then arrives on
     the slot's ``loaded`` barrier once its own copies have landed (count = the calling threads). ``PART`` 1:
@@ -233,7 +237,8 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
     shared-memory barrier pass puts a CTA barrier between two copies into one allocation (docs/perf-notes.md
     step 18)."""
     if PART != 2 and JOINED:
-        halves = packed._reinterpret(gl.uint8, [NUM_STAGES, NH * BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        halves = packed._reinterpret(gl.uint8, [packed.shape[0] // NH, NH * packed.shape[1], packed.shape[2]],
+                                     packed.layout)
         async_copy.async_copy_global_to_shared(halves.index(slot), w_ptrs + _step_offset(step, BK, U))
     if PART != 2 and not JOINED:
         for h in gl.static_range(NH):
@@ -638,13 +643,13 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     for j in gl.static_range(NUM_STAGES - 1):
         if j < num_steps:
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK, U,
-                         1 if EARLY_WEIGHTS else 0, True, BM, NUM_STAGES)
+                         1 if EARLY_WEIGHTS else 0, True)
     if EARLY_WEIGHTS:
         _wait_for_previous_kernel()
         for j in gl.static_range(NUM_STAGES - 1):
             if j < num_steps:
                 _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK, U, 2, True, BM, NUM_STAGES)
+                             BK, U, 2, True)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -693,7 +698,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                 nxt = i + NUM_STAGES - 1
                 if nxt < num_steps:
                     _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
-                                 first_step + nxt, NH, BK, U, 0, True, BM, NUM_STAGES)
+                                 first_step + nxt, NH, BK, U, 0, True)
                 if SCALE_WORDS:
                     shift = (8 * (g * NB + sb))[None, :]
                     sc_g = (cur_wg[:, None] >> shift) & 0xFF

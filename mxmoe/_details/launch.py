@@ -135,19 +135,19 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # 0.812; equal at 12.4 rows, slower below; docs/perf-notes.md step 14)
         bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8), first_fill=0.75)
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
-                   k_split=1, pair=False)
-        # decode GEMM1 whose programs (at most one route tile per routed row) fit on the SMs at once: one
-        # warpgroup per SM issues too few instructions per cycle, so a second one takes half of the K steps
-        # (T=1 on the H200: 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12)
-        if gemm1 and sm_count and rows <= num_experts and (n // 64) * rows <= sm_count and k >= 512:
-            cfg.update(k_split=2, maxnreg=128)
-        # decode GEMM1 with between 1 and 1.5 programs per SM (E=128, H=I=2880, top_k=4 at T=1: 180 on 132): a
-        # third of the SMs would run two programs while the rest run one; two programs per tile, each half of the
-        # K steps, even that out (only without a route pack, ``direct_routes``: the halves join per route).
-        # docs/perf-notes.md step 18
-        elif (gemm1 and not fp8 and sm_count and rows <= num_experts and sm_count < (n // 64) * rows <= 3 * sm_count // 2
-              and k >= 512):
-            cfg.update(k_parts=2)
+                   k_split=1, pair=False, k_parts=1)
+        # Decode GEMM1 (at most one route tile per routed row). Programs that fit on the SMs at once: one warpgroup
+        # per SM issues too few instructions per cycle, so a second one takes half of the K steps (T=1 on the H200:
+        # 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12). Between 1 and 1.5 programs
+        # per SM (E=128, H=I=2880, top_k=4 at T=1: 180 on 132): a third of the SMs would run two programs while the
+        # rest run one; two programs per tile, each half of the K steps, even that out (W4A16 only without a route
+        # pack, ``direct_routes``: the halves join per route; docs/perf-notes.md step 18)
+        programs = (n // 64) * rows
+        if gemm1 and sm_count and rows <= num_experts and k >= 512:
+            if programs <= sm_count:
+                cfg.update(k_split=2, maxnreg=128)
+            elif not fp8 and programs <= 3 * sm_count // 2:
+                cfg.update(k_parts=2)
         # W4A8: 128 K per stage where the scale words allow (4 K32 blocks: the MMA of each block but the last
         # runs under the previous block's rescale, half the ring barriers per K): H200, T=8192 GEMM1 3.02 -> 2.76,
         # GEMM2 1.71 -> 1.63 ms, T=1024 (3 stages) 0.63 -> 0.58, 0.34 -> 0.30 ms; docs/perf-notes.md step 13
@@ -183,7 +183,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
         if cfg["k_split"] not in (1, 2):
             raise ValueError("k_split must be 1 or 2")
-        if cfg.get("k_parts", 1) not in (1, 2) or (cfg.get("k_parts", 1) == 2 and (not gemm1 or fp8 or cfg["k_split"] != 1)):
+        if cfg["k_parts"] not in (1, 2) or (cfg["k_parts"] == 2 and (not gemm1 or fp8 or cfg["k_split"] != 1)):
             raise ValueError("k_parts=2 is for W4A16 GEMM1 without k_split")
         if cfg["block_m"] != 64 or cfg["num_warps"] != 4:
             raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
