@@ -237,7 +237,8 @@ def test_decode_k_parts(rows, E, n, k, gemm1, fp8, sm_count, parts):
 
 
 @pytest.mark.parametrize("rows,fp8,gemm1,k,block_k,stages", [
-    (8, False, False, 1024, 128, 4),        # decode W4A16 GEMM2: 16-row tiles, 128-K stages
+    (8, False, False, 1024, 128, 6),        # decode W4A16 GEMM2: 16-row tiles, 128-K stages, 6 for one token's
+    (16, False, False, 1024, 128, 4),       # routes (8 K steps), else 4
     (288 * 12, False, False, 1024, 128, 4),
     (288 * 32, False, False, 1024, 64, 4),  # 32-row tiles: 64
     (8, False, True, 4096, 64, 4),          # W4A16 GEMM1: 64
