@@ -60,4 +60,7 @@ def test_gemm_uses_wgmma_without_spills(reports, index):
     # ptxas serializes the asynchronous wgmma pipeline (C7515) when it cannot prove the accumulators and
     # register operands untouched in flight: correct, but the MMAs stop overlapping anything
     assert not r["wgmma_serialized"], r
+    # and it does not keep a wgmma's register operand alive until the wait: no instruction may write one of an
+    # issued wgmma's operand registers before the wait that retires it (a race the GPU would not report)
+    assert not r["operand_overwrites"], r
     assert r["async_copies"] > 0, f"the K loop's loads were not pipelined: {r}"

@@ -32,6 +32,7 @@ class KernelReport:
     async_copies: int
     ttgir: str
     wgmma_serialized: bool = False  # ptxas C7515: it serialized the asynchronous wgmma pipeline
+    operand_overwrites: list = None  # SASS instructions writing an in-flight wgmma's register operand (``operand_races``)
 
 
 def _tool(name: str) -> str:
@@ -104,7 +105,51 @@ def report(kernel) -> KernelReport:
     mma = sorted(set(re.findall(r"\b[HQ]GMMA\.\S+|\bHMMA\.\S+", sass)))
     ttgir = kernel.asm["ttgir"]
     return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir,
-                        "wgmma.mma_async instructions are serialized" in log)
+                        "wgmma.mma_async instructions are serialized" in log, operand_races(sass))
+
+
+# SASS ops that write no general register (or only uniform ones: every U* op)
+_NO_REGISTER_DEST = {"ST", "STG", "STS", "STL", "RED", "BAR", "BRA", "EXIT", "LDGSTS", "ARRIVES", "SYNCS", "WARPGROUP",
+                     "NOP", "MEMBAR", "FENCE", "CCTL", "ERRBAR", "DEPBAR", "RET", "CALL", "YIELD", "WARPSYNC", "BSSY",
+                     "BSYNC", "NANOSLEEP", "BPT", "ELECT", "LDGDEPBAR", "PREEXIT"}
+
+
+def _dest_width(op: str) -> int:
+    """Registers an op's destination spans (LDSM.x2/.x4, 64/128-bit loads, wide multiplies, CS2R)."""
+    if op.startswith("LDSM"):
+        m = re.search(r"M88\.(\d)", op)
+        return int(m.group(1)) if m else 1
+    if op.startswith("CS2R") or ".WIDE" in op:
+        return 2
+    m = re.search(r"\.(64|128)\b", op)
+    return {"64": 2, "128": 4}[m.group(1)] if m else 1
+
+
+def operand_races(sass: str) -> list:
+    """Instructions that write a register an issued wgmma still reads as its A operand (``[HQ]GMMA Rd, Ra, ...``:
+    Ra .. Ra+3) before the ``WARPGROUP.DEPBAR`` that retires its group, in address order. ptxas does not keep a
+    register operand alive until the wait: it reuses it once the HGMMA issued (docs/perf-notes.md step 19), so the
+    kernels are correct only while the schedule writes other registers there; this checks the schedule."""
+    found, pending, current = [], [], set()
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
+        text = re.sub(r"^@!?U?P\w+\s+", "", m.group(2).strip())
+        op, _, args = text.partition(" ")
+        if re.match(r"[HQ]GMMA\.", op):
+            a = re.match(r"\s*R\d+,\s*R(\d+)\s*,", args)
+            if a:
+                current |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+            if "gsb0" in args:  # the group's last wgmma
+                pending, current = pending + [current], set()
+        elif op.startswith("WARPGROUP.DEPBAR"):  # at most n groups still in flight
+            n = int(re.search(r"0x([0-9a-f]+)", args).group(1), 16)
+            pending = pending[len(pending) - n:] if n else []
+        elif op == "EXIT":
+            pending, current = [], set()
+        elif not (op.startswith("U") or op.split(".")[0] in _NO_REGISTER_DEST):
+            d = re.match(r"\s*R(\d+)\b", args)
+            if d and set(range(int(d.group(1)), int(d.group(1)) + _dest_width(op))) & set().union(current, *pending):
+                found.append(f"/*{m.group(1)}*/ {text}")
+    return found
 
 
 def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
@@ -133,7 +178,8 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
             out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, direct=direct, config=cfg.__dict__,
                             registers=rep.registers,
                             spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
-                            async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized))
+                            async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized,
+                            operand_overwrites=rep.operand_overwrites[:5]))
     return out
 
 
