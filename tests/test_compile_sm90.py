@@ -64,3 +64,24 @@ def test_gemm_uses_wgmma_without_spills(reports, index):
     # issued wgmma's operand registers before the wait that retires it (a race the GPU would not report)
     assert not r["operand_overwrites"], r
     assert r["async_copies"] > 0, f"the K loop's loads were not pipelined: {r}"
+
+
+def test_operand_race_check_flags_writes_before_the_wait():
+    """``sm90.operand_races`` on hand-written SASS: a write into an issued wgmma's A registers (R152..R155) before
+    the wait that retires its group is flagged (also through a 128-bit load's register span); writes to other
+    registers, and to those after the wait, are not."""
+    from mxmoe._details.sm90 import operand_races
+
+    def sass(*lines):
+        return "\n".join(f"        /*{16 * i:04x}*/                   {line} ;" for i, line in enumerate(lines))
+
+    issue = ("WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR16], R24",
+             "HGMMA.64x128x16.F32.BF16 R24, R156, gdesc[UR20], R24, gsb0")
+    assert operand_races(sass(*issue, "LOP3.LUT R153, R20, 0x81c081c0, RZ, 0xc0, !PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    assert operand_races(sass(*issue, "@P0 LDS.128 R150, [R2]", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    second = ("WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32.BF16 R88, R168, gdesc[UR16], R88, gsb0",
+              "WARPGROUP.DEPBAR.LE gsb0, 0x1")  # the first group retired, the second (R168..R171) in flight
+    assert operand_races(sass(*issue, *second, "HMUL2.BF16_V2 R169, R10, R11"))
+    assert not operand_races(sass(*issue, *second, "HMUL2.BF16_V2 R158, R10, R11"))
+    assert not operand_races(sass(*issue, "LOP3.LUT R160, R20, 0x81c081c0, RZ, 0xc0, !PT", "STG.E [R2.64], R153",
+                                  "WARPGROUP.DEPBAR.LE gsb0, 0x0", "LOP3.LUT R153, R20, 0x81c081c0, RZ, 0xc0, !PT"))

@@ -169,8 +169,9 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
             cfg.update(block_k=128)
         # W4A16 GEMM2 of one token (T * top_k <= 8 routes) with at most 8 K steps: 6 stages, so that 5 steps' weights
-        # load before its wait, while GEMM1 runs (EARLY_WEIGHTS). H200, reference shape, T=1 graph replay 38.69 ->
-        # 37.54 us; 5 or 7 stages, T=2 and 3 and the 2880 shapes (45 steps) were slower (docs/perf-notes.md step 19)
+        # load before its wait, while GEMM1 runs (EARLY_WEIGHTS). H200, reference shape, T=1 graph replay 31.10 ->
+        # 29.76 us (a slower machine: 38.69 -> 37.54); 5 or 7 stages, T=2 and 3 and the 2880 shapes (45 steps) were
+        # slower (docs/perf-notes.md step 19)
         if not (fp8 or gemm1) and bt == 16 and rows <= 8 and k // cfg["block_k"] <= 8:
             cfg.update(num_stages=6)
         # GEMM2 with two 64-row blocks per program, one converting while the other's MMA runs, where it measured

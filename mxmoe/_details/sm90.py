@@ -11,7 +11,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -32,7 +32,8 @@ class KernelReport:
     async_copies: int
     ttgir: str
     wgmma_serialized: bool = False  # ptxas C7515: it serialized the asynchronous wgmma pipeline
-    operand_overwrites: list = None  # SASS instructions writing an in-flight wgmma's register operand (``operand_races``)
+    operand_overwrites: list = field(default_factory=list)  # SASS instructions writing an in-flight wgmma's register
+    # operand (``operand_races``)
 
 
 def _tool(name: str) -> str:
