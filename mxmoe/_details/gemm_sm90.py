@@ -752,6 +752,14 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
 
 
 @gluon.jit
+def _first_half_steps(num_k, NB: gl.constexpr, SCALE_WORDS: gl.constexpr):
+    """K steps of the first of two halves of ``num_k`` (the K split over two warpgroups or two programs), at whole
+    scale-word groups (``_small_steps``: 4 / NB steps per word with ``SCALE_WORDS``)."""
+    G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
+    return (num_k // (2 * G)) * G
+
+
+@gluon.jit
 def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                            half_rows, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr,
                            NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
@@ -840,9 +848,8 @@ def moe_gemm_small_kernel(
         if KSPLIT == 1:
             first_k = 0
             steps = num_k
-            if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps (at whole scale-word groups)
-                PG: gl.constexpr = 4 // NB if SCALE_WORDS else 1
-                part = (num_k // (2 * PG)) * PG
+            if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
+                part = _first_half_steps(num_k, NB, SCALE_WORDS)
                 first_k = gl.program_id(2) * part
                 steps = part + gl.program_id(2) * (num_k - 2 * part)
             acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
@@ -856,8 +863,7 @@ def moe_gemm_small_kernel(
             partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(done, count=1)
-            G: gl.constexpr = 4 // NB if SCALE_WORDS else 1  # the halves split at whole scale-word groups
-            half = (num_k // (2 * G)) * G
+            half = _first_half_steps(num_k, NB, SCALE_WORDS)
             acc_g, acc_u = gl.warp_specialize([
                 (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS,

@@ -345,6 +345,12 @@ def early_weights(gemm1: bool, cfg: GemmConfig) -> bool:
     return PDL and EARLY_WEIGHTS and not gemm1 and cfg.k_split == 1
 
 
+def split_regs(cfg: GemmConfig) -> int:
+    """The small-tile kernel's second K-split warpgroup's registers per thread: the launch's ``maxnreg``, as the
+    first's (128 where none is set, the kernel's default)."""
+    return cfg.maxnreg or 128
+
+
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -404,8 +410,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         if cfg.kernel == "gluon_small":
             pdl = _pdl(out.device, kernel_arg=False)
             extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **pdl)
-            if cfg.k_split == 2:  # the second warpgroup's register budget, as the first's
-                extra.update(SPLIT_REGS=cfg.maxnreg or 128)
+            if cfg.k_split == 2:
+                extra.update(SPLIT_REGS=split_regs(cfg))
             if pdl and early_weights(gemm1, cfg):
                 extra.update(EARLY_WEIGHTS=True)
             # the direct path's arguments, placeholders without it (the kernel takes them always)
