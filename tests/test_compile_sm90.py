@@ -3,7 +3,8 @@ serialized wgmma pipeline.
 
 Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill (plain
 template), prefill for the warp-specialized Gluon kernel (W4A16) and decode, small batches and prefill
-for the small-tile Gluon kernel, with both scale-load forms, the decode K split and GEMM2's two-block form
+for the small-tile Gluon kernel, with both scale-load forms, the decode K split, GEMM2's two-block form and
+the wide W4A16 tiles
 (``MXMOE_KERNEL=auto`` picks the Gluon kernels there). The
 compile runs in a subprocess without TRITON_INTERPRET (which the CPU test session sets, and
 which makes the kernels interpreter objects at import).
@@ -26,20 +27,23 @@ def reports():
 
 
 def test_every_config_compiled(reports):
-    assert len(reports) == 33
+    assert len(reports) == 37
     assert sum(r["kernel"] == "gluon" for r in reports) == 2
     small = [r for r in reports if r["kernel"] == "gluon_small"]
-    assert len(small) == 23
+    assert len(small) == 27
     # the one-token path without a route pack (both GEMMs, and GEMM1 with its K steps over two programs)
     assert sum(r["direct"] for r in small) == 3
     assert {r["config"]["k_parts"] for r in small if r["direct"]} == {1, 2}
-    assert {r["config"]["block_rows"] for r in small} == {16, 64, 128}
+    assert {r["config"]["block_rows"] for r in small} == {16, 64, 128, 256}
+    # the wide tiles (prefill): GEMM1 on two warpgroups, GEMM2 on their halves
+    assert [(r["gemm1"], r["config"]["wide"], r["config"]["sub_tiles"]) for r in small if r["rows"] == 65536
+            and not r["fp8"]] == [(True, True, 1), (False, False, 2)]
     assert {r["config"]["scale_words"] for r in small} == {True, False}
     assert {r["config"]["k_split"] for r in small} == {1, 2}
     assert {r["config"]["pair"] for r in small} == {True, False}
 
 
-@pytest.mark.parametrize("index", range(33))
+@pytest.mark.parametrize("index", range(37))
 def test_gemm_uses_wgmma_without_spills(reports, index):
     r = reports[index]
     expected = "QGMMA" if r["fp8"] else "HGMMA"

@@ -63,10 +63,10 @@ def routing(T, top_k, E, *, kind="uniform", seed=1, ids_dtype=torch.int32):
     return ids.to(ids_dtype).contiguous(), w.contiguous()
 
 
-def check(ex, x, ids, w, precision, activation="silu", expert_map=None, **kw):
+def check(ex, x, ids, w, precision, activation="silu", expert_map=None, workspace=None, **kw):
     out = torch.full_like(x, float("nan"))
     res, ran = fused_moe(x, ex, w, ids, precision=precision, activation=activation, expert_map=expert_map, out=out,
-                         return_precision=True, **kw)
+                         return_precision=True, workspace=workspace, **kw)
     assert res is out and ran == precision
     assert torch.isfinite(out.float()).all(), "unwritten (NaN) or non-finite output"
     exact = fused_moe_reference(x, ex, w, ids, activation=activation, expert_map=expert_map, mode="exact", **kw)
@@ -351,3 +351,25 @@ def test_gluon_kernel_matches_plain_kernel(shape, T, kind, precision, monkeypatc
         fused_moe(x, ex, w, ids, precision=precision, out=outs[kernel])
     assert torch.isfinite(outs["gluon"].float()).all(), "unwritten (NaN) or non-finite output"
     assert relative_l2(outs["gluon"], outs["triton"]) <= 1e-3
+
+
+@gluon_only
+@pytest.mark.parametrize("kind,ids_dtype", [("hot", torch.int32), ("masked", torch.int64), ("uniform", torch.int32)])
+def test_wide_tiles(kind, ids_dtype, monkeypatch):
+    """W4A16 on the wide 256-row route tiles (``launch.WIDE_FROM`` lowered so that 700 tokens take them): hot experts
+    with several wide tiles, masked routes, partial tiles and tile halves without a row; against the exact reference
+    and bitwise equal to the 128-row tiles."""
+    from mxmoe._details import launch
+
+    E, H, I, top_k = SHAPES["ref"]
+    ex = gpu_experts(E, H, I)
+    T = 700
+    x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    ids, w = routing(T, top_k, E, kind=kind, ids_dtype=ids_dtype, seed=7)
+    outs = []
+    for wide_from in (0, 10**9):
+        monkeypatch.setattr(launch, "WIDE_FROM", wide_from)
+        ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under this rule
+        assert launch.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small").wide is (wide_from == 0)
+        outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
+    assert torch.equal(outs[0], outs[1])

@@ -155,6 +155,19 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped):
     assert (pack.sorted_routes[used:] == -1).all()
 
 
+def test_workspace_refuses_a_pack_it_has_no_room_for():
+    """A pack of taller tiles than the workspace was sized for (the wide tiles below ``WIDE_FROM`` rows per expert)
+    is an error, not a write past the buffers."""
+    from mxmoe._details.launch import WIDE_ROWS, Workspace
+
+    E, T, top_k = 7, 40, 3
+    ws = Workspace(experts(E, 64, 64), T, top_k)
+    ids = torch.randint(0, E, (T, top_k), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    ws.route_pack(ids, None, 128, E)
+    with pytest.raises(ValueError, match="no room"):
+        ws.route_pack(ids, None, WIDE_ROWS, E)
+
+
 def test_row_quantizer_matches_reference():
     from mxmoe._details.launch import _quantize_rows
     from mxmoe.prepare import e4m3_slot_order

@@ -140,8 +140,8 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
                                     gemm1=gemm1, n=gemm_n) == "triton"
     # both GEMMs read one route pack: their configs agree on its tile height
     cfgs = [launch.gemm_config(rows, 288, gn, k, fp8, kernel=kernel, gemm1=g1)
-            for (gn, k, g1), kernel in zip(((1024, 4096, True), (n, 1024, False)), expected)]
-    assert cfgs[0].block_rows == cfgs[1].block_rows
+            for (gn, k, g1), kernel in zip(((1024, n, True), (n, 1024, False)), expected)]
+    assert cfgs[0].block_rows * cfgs[0].sub_tiles == cfgs[1].block_rows * cfgs[1].sub_tiles
 
 
 @pytest.mark.parametrize("rows,fp8,gemm1,n,pair", [
@@ -282,7 +282,8 @@ def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
 
 
 @pytest.mark.parametrize("per_expert,small,plain", [(1, 16, 16), (12, 16, 16), (12.5, 32, 16), (16, 32, 16),
-                                                    (17, 32, 32), (32, 32, 32), (33, 64, 64), (200, 128, 128)])
+                                                    (17, 32, 32), (32, 32, 32), (33, 64, 64), (150, 128, 128),
+                                                    (200, 128, 128)])
 def test_route_tile_height(per_expert, small, plain):
     """The small-tile Gluon kernel leaves 16-row tiles at 12 rows per expert on average (measured), the plain
     template at 16; both take the smallest tile above the average from 32 rows on."""
@@ -292,4 +293,32 @@ def test_route_tile_height(per_expert, small, plain):
     assert tile_rows_for(rows, 288) == plain
     for fp8 in (False, True):
         cfg = gemm_config(rows, 288, 1024, 4096, fp8, kernel="gluon_small", gemm1=True)
-        assert cfg.block_rows == min(small, 64 if fp8 else 128)
+        wide = not fp8 and per_expert > 150  # W4A16's wide tiles (test_wide_tiles)
+        assert cfg.block_rows == (256 if wide else min(small, 64 if fp8 else 128))
+
+
+@pytest.mark.parametrize("per_expert,E,H,fp8,wide", [
+    (228, 288, 4096, False, True),    # T=8192 on the reference shape: wide tiles (H200: GEMM1 -5 %)
+    (171, 288, 4096, False, True),    # T=6144
+    (160, 288, 4096, False, True),    # T=5760 (H200: -3.5 %)
+    (150, 288, 4096, False, False),   # above 150 rows per expert (T=5120, 142 rows: equal)
+    (114, 288, 4096, False, False),   # T=4096: one 128-row tile per expert
+    (228, 288, 4096, True, False),    # W4A8: its 64-row tiles
+    (512, 128, 2880, False, False),   # H % 128 != 0: GEMM2 has no two-block form (the wide GEMM2 halves need it)
+])
+def test_wide_tiles(per_expert, E, H, fp8, wide):
+    """W4A16 prefill with more than 150 rows per expert: 256-row route tiles, GEMM1 on two warpgroups (gate, up),
+    GEMM2 on the tiles' 128-row halves with its two-block form; both GEMMs read one pack of 256-row tiles."""
+    from mxmoe._details.launch import WIDE_ROWS, gemm_config
+
+    rows = int(per_expert * E)
+    g1 = gemm_config(rows, E, 1024, H, fp8, kernel="gluon_small", gemm1=True)
+    g2 = gemm_config(rows, E, H, 1024, fp8, kernel="gluon_small", gemm1=False)
+    assert g1.wide is wide and (g1.block_rows == WIDE_ROWS) is wide
+    assert g1.block_rows * g1.sub_tiles == g2.block_rows * g2.sub_tiles
+    if wide:
+        assert g1.maxnreg == 232 and g2.block_rows == 128 and g2.sub_tiles == 2 and g2.pair
+        # an explicit tile height wins
+        assert not gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128}, kernel="gluon_small", gemm1=True).wide
+    with pytest.raises(ValueError, match="wide"):
+        gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128, "wide": True}, kernel="gluon_small", gemm1=True)

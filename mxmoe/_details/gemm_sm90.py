@@ -9,7 +9,9 @@ MMA's M, routed rows its N; the small-tile kernel takes the direct path's argume
   below); two accumulator chains (GEMM1's gate and up halves, GEMM2's two row blocks with ``PAIR``) let
   one convert while the other's MMA runs; for decode grids smaller than the SM count, two warpgroups
   split the K steps; for a few W4A16 tokens (``launch.direct_routes``) no route pack (a tile per route,
-  the experts from the top-k ids) and GEMM2 also does the top-k sum.
+  the experts from the top-k ids) and GEMM2 also does the top-k sum; for W4A16 prefill past ~150 rows per
+  expert (``WIDE``) 256-row tiles on two warpgroups, one chain of 64 x 256 each (``_wide_tile``), and GEMM2 on
+  their 128-row halves (``SUB_TILES``).
 - ``moe_gemm_ws_kernel`` (W4A16; in the default selection GEMM2 on 128-row tiles with N % 128 != 0): persistent,
   warp-specialized, async wgmma. Plain Triton 3.6 waits on every wgmma, so conversion and MMA never
   overlap there; here the partitions run concurrently, each walking the program's tiles:
@@ -228,14 +230,15 @@ def _step_offset(step, BK: gl.constexpr, U: gl.constexpr):
 
 @gluon.jit
 def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, slot, step, NH: gl.constexpr,
-                 BK: gl.constexpr, U: gl.constexpr, PART: gl.constexpr = 0, JOINED: gl.constexpr = False):
+                 BK: gl.constexpr, U: gl.constexpr, PART: gl.constexpr = 0, JOINED: gl.constexpr = False,
+                 ACT_ROW0: gl.constexpr = 0):
     """``cp.async`` of K step ``step`` (pointers of ``_copy_pointers``) into ring slot ``slot``: the packed rows
     of each half (``half_rows`` apart) and the gathered activation rows; every calling thread then arrives on
     the slot's ``loaded`` barrier once its own copies have landed (count = the calling threads). ``PART`` 1:
     the packed rows only; 2: the rest (activation rows, arrive). ``JOINED``: ``w_ptrs`` cover both halves
     (``_copy_pointers`` with NH = 2), one copy into the slot's halves viewed as one [NH BM, BK/2] tile: Triton's
     shared-memory barrier pass puts a CTA barrier between two copies into one allocation (docs/perf-notes.md
-    step 18)."""
+    step 18). ``a_ptrs`` may cover part of the activation tile: its rows from ``ACT_ROW0`` (the wide tiles)."""
     if PART != 2 and JOINED:
         halves = packed._reinterpret(gl.uint8, [packed.shape[0] // NH, NH * packed.shape[1], packed.shape[2]],
                                      packed.layout)
@@ -245,7 +248,10 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
             async_copy.async_copy_global_to_shared(packed.index(slot * NH + h),
                                                    w_ptrs + h * half_rows * row_bytes + _step_offset(step, BK, U))
     if PART != 1:
-        async_copy.async_copy_global_to_shared(act.index(slot), a_ptrs + step * BK, mask=ok[:, None])
+        stage = act.index(slot)
+        if a_ptrs.shape[0] != stage.shape[0]:
+            stage = stage.slice(ACT_ROW0, a_ptrs.shape[0])
+        async_copy.async_copy_global_to_shared(stage, a_ptrs + step * BK, mask=ok[:, None])
         async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
 
 
@@ -613,20 +619,24 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                  SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
-                 DIRECT: gl.constexpr = False):
+                 DIRECT: gl.constexpr = False, consumed=None, ACT_ROW0: gl.constexpr = 0, ACT_ROWS: gl.constexpr = 0):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
     the first stages' weight copies go out before the wait for the previous kernel (whose output the
-    activation rows are), the rest after it."""
+    activation rows are), the rest after it. ``ACT_ROWS`` > 0 (the wide tiles): the activation ring is shared with
+    another warpgroup; this one copies its rows ``ACT_ROW0 .. + ACT_ROWS`` (``loaded`` counts both warpgroups'
+    threads) and a slot is refilled once both arrived on its ``consumed`` barrier (their MMAs on it completed)."""
     NB: gl.constexpr = BK // 32
+    SHARED_ACT: gl.constexpr = ACT_ROWS > 0
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
-    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k,
-                                                   w_row0, K, GEMM1, BM, BT, BK, U, DIRECT, half_rows, NH)
+    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + ACT_ROW0, top_k,
+                                                   w_row0, K, GEMM1, BM, ACT_ROWS if SHARED_ACT else BT, BK, U, DIRECT,
+                                                   half_rows, NH)
 
     # scale bytes, one value per (row, block) of the thread's operand, and W4A16's per-row addend of the block
     # factors: BF16x2 bits (FOLD_REF_MAX + b - r) * 0x00800080 = b * 0x00800080 + (FOLD_REF_MAX - r) * 0x00800080
@@ -643,13 +653,13 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     for j in gl.static_range(NUM_STAGES - 1):
         if j < num_steps:
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK, U,
-                         1 if EARLY_WEIGHTS else 0, True)
+                         1 if EARLY_WEIGHTS else 0, True, ACT_ROW0)
     if EARLY_WEIGHTS:
         _wait_for_previous_kernel()
         for j in gl.static_range(NUM_STAGES - 1):
             if j < num_steps:
                 _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK, U, 2, True)
+                             BK, U, 2, True, ACT_ROW0)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -694,9 +704,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
             i = jg * G + g
             if i < num_steps:
                 s = i % NUM_STAGES
-                # refill the slot the previous step read (its MMA has completed: each step waits for it)
+                # refill the slot the previous step read (its MMA has completed: each step waits for it; a shared
+                # activation ring refills it after this step's MMA went out, once the other warpgroup's completed)
                 nxt = i + NUM_STAGES - 1
-                if nxt < num_steps:
+                if nxt < num_steps and not SHARED_ACT:
                     _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
                                  first_step + nxt, NH, BK, U, 0, True)
                 if SCALE_WORDS:
@@ -747,7 +758,14 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                         acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
                         acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
                     else:
+                        if SHARED_ACT and nxt < num_steps:
+                            if i > 0:
+                                mbarrier.wait(consumed.index((i - 1) % NUM_STAGES), ((i - 1) // NUM_STAGES) & 1)
+                            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes,
+                                         nxt % NUM_STAGES, first_step + nxt, NH, BK, U, 0, True, ACT_ROW0)
                         acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+                    if SHARED_ACT:
+                        mbarrier.arrive(consumed.index(s))
     return acc_g, acc_u
 
 
@@ -778,6 +796,81 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
 
 
 @gluon.jit
+def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
+               stride_out, topk_weights_ptr, packed, act, loaded, consumed, sums, mma_done, stored, expert, n0, w_row0,
+               slot0, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+               HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+               NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr,
+               HALF: gl.constexpr):
+    """One warpgroup of a wide W4A16 GEMM1 tile (``_wide_tile``): ``HALF`` 0 the gate rows (from ``w_row0``), 1 the up
+    rows, over all K steps, copying rows ``HALF * BT/2 ..`` of the shared activation tiles; then both halves' sums meet
+    in shared memory (the up half's in ``sums[1]``, the gate half's over the activation ring once both warpgroups'
+    MMAs completed) and this warpgroup runs the epilogue of routed rows ``HALF * BT/2 ..``."""
+    R: gl.constexpr = BT // 2
+    if HALF == 1:
+        _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
+    acc, _ = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
+                          w_row0 + HALF * N, slot0, 0, K, top_k, 0, K // BK, True, 1, False, BM, BT, BK, NUM_STAGES,
+                          SCALE_WORDS, U, False, False, consumed, HALF * R, R)
+    FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    gate = act._reinterpret(gl.float32, [BM, BT], FL)
+    mbarrier.arrive(mma_done)  # the gate sums go over the activation ring: only once both warpgroups' MMAs read it
+    mbarrier.wait(mma_done, 0)
+    if HALF == 0:
+        gate.store(acc)
+    else:
+        sums.store(acc)
+    mbarrier.arrive(stored)
+    mbarrier.wait(stored, 0)
+    MMA: gl.constexpr = _small_mma_layout(R, False)
+    g = gate.slice(HALF * R, R, dim=1).load(MMA)
+    u = sums.slice(HALF * R, R, dim=1).load(MMA)
+    g, u = _times_row_ref(g, u, ref_ptr, w_row0, N, 2, BM, gl.SliceLayout(1, MMA))
+    _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, topk_weights_ptr,
+              expert, w_row0, n0, slot0 + HALF * R, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
+              HAS_GSCALE, BM, R, OUT_I64, MMA)
+    return ()
+
+
+@gluon.jit
+def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
+               stride_out, topk_weights_ptr, expert, n0, w_row0, slot0, N, K, top_k, limit, alpha,
+               SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
+               BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
+               SCALE_WORDS: gl.constexpr, U: gl.constexpr, HALF_REGS: gl.constexpr):
+    """A W4A16 GEMM1 program on a wide route tile (``BT`` = 256 rows, the MMA's N): two warpgroups (``_wide_half``),
+    gate and up, each one accumulator chain of 64 x 256 converting while the other's MMA runs: half the conversion
+    per MMA of the 128-row tiles' two chains of 64 x 128 (one program per SM: 213 KB of shared memory). They share
+    the activation ring, each copying half of its rows; a slot is refilled once both warpgroups' MMAs on it
+    completed (``consumed``), after this step's MMA went out (before it, each would wait for the other's MMA
+    before converting)."""
+    gl.static_assert(BT == 256 and NUM_STAGES >= 3)
+    act = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [NUM_STAGES, BT, BK],
+                                    gl.NVMMASharedLayout.get_default_for([BT, BK], a_ptr.dtype.element_ty))
+    packed_g = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    packed_u = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_STAGES):
+        mbarrier.init(loaded.index(j), count=2 * 32 * 4)  # every thread of both warpgroups
+        mbarrier.init(consumed.index(j), count=2)
+    sums = gl.allocate_shared_memory(gl.float32, [BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    mma_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    stored = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(mma_done, count=2)
+    mbarrier.init(stored, count=2)
+    gl.warp_specialize([
+        (_wide_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                      out_ptr, stride_out, topk_weights_ptr, packed_g, act, loaded, consumed, sums, mma_done, stored,
+                      expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
+                      BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 0)),
+        (_wide_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                      out_ptr, stride_out, topk_weights_ptr, packed_u, act, loaded, consumed, sums, mma_done, stored,
+                      expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
+                      BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 1)),
+    ], [4], [HALF_REGS])
+
+@gluon.jit
 def moe_gemm_small_kernel(
     a_ptr, a_scale_ptr, stride_a,
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
@@ -791,7 +884,8 @@ def moe_gemm_small_kernel(
     OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
-    TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1,
+    TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1, WIDE: gl.constexpr = False,
+    SUB_TILES: gl.constexpr = 1,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -811,12 +905,16 @@ def moe_gemm_small_kernel(
     needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last program of each
     (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
     no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose grid fills the SMs unevenly): grid axis 2
-    splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``."""
+    splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``.
+    ``WIDE`` (W4A16 GEMM1, ``BT`` = 256): ``_wide_tile``, two warpgroups (``SPLIT_REGS`` registers each), the gate
+    and up halves. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows ``t * BT ..`` of
+    tile t // 2, and none where that half holds no routed row."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
     gl.static_assert(not SUM_ROUTES or (DIRECT and not GEMM1 and TOP_K > 0))
     gl.static_assert(K_PARTS == 1 or (K_PARTS == 2 and DIRECT and GEMM1 and KSPLIT == 1))
+    gl.static_assert(not WIDE or (GEMM1 and not FP8 and KSPLIT == 1 and K_PARTS == 1 and not DIRECT and BT == 256))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
     # before it is either a plain launch (W4A8's row quantizer) or GEMM1, which lets it launch only after its
@@ -832,8 +930,10 @@ def moe_gemm_small_kernel(
         expert = _direct_expert(ids_ptr, expert_map_ptr, pid_t, num_global, num_experts, HAS_MAP)
         has_tile = expert >= 0
     else:
-        expert = gl.load(tile_expert_ptr + pid_t).to(gl.int64)
-        has_tile = pid_t < gl.load(num_tiles_ptr)
+        expert = gl.load(tile_expert_ptr + pid_t // SUB_TILES).to(gl.int64)
+        has_tile = pid_t // SUB_TILES < gl.load(num_tiles_ptr)
+        if SUB_TILES > 1:  # a pack of SUB_TILES * BT-row tiles, BT rows per program: skip the parts without a row
+            has_tile = has_tile & (gl.load(sorted_routes_ptr + pid_t * BT) >= 0)
     WIDTH: gl.constexpr = 2 * BM if PAIR else BM  # output columns per program
     if has_tile:
         NB: gl.constexpr = BK // 32
@@ -844,51 +944,59 @@ def moe_gemm_small_kernel(
         num_k = K // BK
         MMA: gl.constexpr = _small_mma_layout(BT, FP8)
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
-        packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
-        if KSPLIT == 1:
-            first_k = 0
-            steps = num_k
-            if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
-                part = _first_half_steps(num_k, NB, SCALE_WORDS)
-                first_k = gl.program_id(2) * part
-                steps = part + gl.program_id(2) * (num_k - 2 * part)
-            acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                                        w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8, BM, BT, BK,
-                                        NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT)
+        if WIDE:
+            _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                       out_ptr, stride_out, topk_weights_ptr, expert, n0, w_row0, slot0, N, K, top_k, limit, alpha,
+                       SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, SCALE_WORDS, W_UNIT,
+                       SPLIT_REGS)
         else:
-            # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
-            # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
-            gl.static_assert(KSPLIT == 2)
-            packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
-            partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(done, count=1)
-            half = _first_half_steps(num_k, NB, SCALE_WORDS)
-            acc_g, acc_u = gl.warp_specialize([
-                (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
-                                slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS,
-                                W_UNIT, False, DIRECT)),
-                (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
-                                          w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial, done, GEMM1,
-                                          NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, DIRECT)),
-            ], [4], [SPLIT_REGS])
-            mbarrier.wait(done, 0)
-            acc_g = acc_g + partial.index(0).load(MMA)
-            if NH == 2:
-                acc_u = acc_u + partial.index(1).load(MMA)
-        last = True
-        if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
-            acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
-        if last:
-            if not FP8:
-                acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM, gl.SliceLayout(1, MMA))
-            _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                      topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
-                      HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
-            if PAIR:  # the second block's rows
-                _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                          topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
-                          SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+            packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+            if KSPLIT == 1:
+                first_k = 0
+                steps = num_k
+                if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
+                    part = _first_half_steps(num_k, NB, SCALE_WORDS)
+                    first_k = gl.program_id(2) * part
+                    steps = part + gl.program_id(2) * (num_k - 2 * part)
+                acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
+                                            loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
+                                            BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT)
+            else:
+                # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
+                # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
+                gl.static_assert(KSPLIT == 2)
+                packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+                partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+                mbarrier.init(done, count=1)
+                half = _first_half_steps(num_k, NB, SCALE_WORDS)
+                acc_g, acc_u = gl.warp_specialize([
+                    (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
+                                    w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
+                                    SCALE_WORDS, W_UNIT, False, DIRECT)),
+                    (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
+                                              loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
+                                              done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
+                                              DIRECT)),
+                ], [4], [SPLIT_REGS])
+                mbarrier.wait(done, 0)
+                acc_g = acc_g + partial.index(0).load(MMA)
+                if NH == 2:
+                    acc_u = acc_u + partial.index(1).load(MMA)
+            last = True
+            if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
+                acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
+            if last:
+                if not FP8:
+                    acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
+                                                  gl.SliceLayout(1, MMA))
+                _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                          topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
+                          HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+                if PAIR:  # the second block's rows
+                    _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                              topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
+                              SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
     else:
         if EARLY_WEIGHTS:
             # a program without a tile waits too: a kernel must not complete before the one it follows (else the

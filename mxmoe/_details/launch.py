@@ -23,6 +23,8 @@ from .gemm import moe_gemm_kernel
 from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
+WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMM1 (``GemmConfig.wide``)
+WIDE_FROM = 150  # routed rows per expert above which W4A16 takes them (gemm_config)
 PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
 # GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
@@ -50,6 +52,8 @@ class GemmConfig:
     pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
     k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
     # that fill the SMs unevenly)
+    wide: bool = False  # gluon_small W4A16 GEMM1 on 256-row route tiles: two warpgroups, gate and up (``_wide_tile``)
+    sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
@@ -133,9 +137,22 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # take a second tile, converting their weights twice; 32-row tiles measured faster from there (H200,
         # reference shape: T=512 W4A16 0.957 -> 0.893, W4A8 0.817 -> 0.803 ms; T=576 1.080 -> 0.902, 0.862 ->
         # 0.812; equal at 12.4 rows, slower below; docs/perf-notes.md step 14)
-        bt = tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8), first_fill=0.75)
+        chosen_bt = override.pop("block_rows", None)
+        bt = chosen_bt or tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8), first_fill=0.75)
+        # W4A16 with more than WIDE_FROM rows per expert (most experts past one 128-row tile): 256-row tiles, GEMM1
+        # on two warpgroups (``wide``: half the conversion per MMA), GEMM2 on their 128-row halves, where GEMM2's
+        # pairs fit (H % 128 == 0; H is GEMM1's K and GEMM2's N). H200, reference shape, the call against 128-row
+        # tiles: T=4608 +16.5 %, 5120 +0.2 %, 5760 and 6144 -3.5 %, 8192 -7.7 % (docs/perf-notes.md step 20)
+        if not (chosen_bt or fp8) and rows > WIDE_FROM * num_experts and (k if gemm1 else n) % 128 == 0:
+            bt = WIDE_ROWS
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
-                   k_split=1, pair=False, k_parts=1)
+                   k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
+        if bt == WIDE_ROWS:  # wide route tiles: GEMM1 on two warpgroups, GEMM2 on their 128-row halves
+            if gemm1:
+                cfg.update(wide=True, maxnreg=232)
+            else:
+                cfg.update(block_rows=128, sub_tiles=2)
+                bt = 128
         # Decode GEMM1 (at most one route tile per routed row). Programs that fit on the SMs at once: one warpgroup
         # per SM issues too few instructions per cycle, so a second one takes half of the K steps (T=1 on the H200:
         # 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12). Between 1 and 1.5 programs
@@ -195,6 +212,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
         if cfg["pair"] and gemm1:
             raise ValueError("pair is for GEMM2")
+        if cfg["wide"] and not (gemm1 and not fp8 and cfg["block_rows"] == 256 and cfg["k_split"] == 1):
+            raise ValueError("wide is for W4A16 GEMM1 on 256-row tiles")
         if n % (cfg["block_m"] * (2 if cfg["pair"] else 1)):
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
                              f"(block_m, twice that with pair)")
@@ -250,7 +269,7 @@ class Workspace:
         device = torch.device(device) if device is not None else experts.device
         E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
         R = max_tokens * top_k
-        caps = [route_pack_capacity(R, E, bt) for bt in TILE_ROWS]
+        caps = [route_pack_capacity(R, E, bt) for bt in TILE_ROWS + ((WIDE_ROWS,) if R > WIDE_FROM * E else ())]
         max_rows = max(c[0] for c in caps)
         max_tiles = max(c[1] for c in caps)
         i32 = dict(dtype=torch.int32, device=device)
@@ -294,6 +313,8 @@ class Workspace:
         """Launch the route-pack kernels into this workspace; returns views of the pack."""
         R = topk_ids.numel()
         max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
+        if max_rows > self.sorted_routes.numel() or max_tiles > self.tile_expert.numel():
+            raise ValueError(f"workspace: no room for a pack of {block_rows}-row tiles of {R} routes")
         sorted_routes = self.sorted_routes[:max_rows]
         n_global = num_experts if expert_map is None else expert_map.numel()
         emap = expert_map if expert_map is not None else self.counts
@@ -396,7 +417,7 @@ class DirectRoutes:
 
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None):
-    tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel()
+    tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel() * cfg.sub_tiles
     grid = (n // (cfg.block_m * (2 if cfg.pair else 1)), tiles, cfg.k_parts)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
@@ -410,6 +431,10 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         if cfg.kernel == "gluon_small":
             pdl = _pdl(out.device, kernel_arg=False)
             extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **pdl)
+            if cfg.wide:
+                extra.update(WIDE=True, SPLIT_REGS=split_regs(cfg))
+            if cfg.sub_tiles > 1:
+                extra.update(SUB_TILES=cfg.sub_tiles)
             if cfg.k_split == 2:
                 extra.update(SPLIT_REGS=split_regs(cfg))
             if pdl and early_weights(gemm1, cfg):
@@ -471,7 +496,7 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
                        gemm1=True, sm_count=sms)
     cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False, n=H),
                        gemm1=False)
-    assert cfg1.block_rows == cfg2.block_rows, "both GEMMs read one route pack"
+    assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
     direct = None
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
         n_global = E if expert_map is None else expert_map.numel()
@@ -480,7 +505,7 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
         pack, max_rows = None, R * cfg1.block_rows
     else:
         cfg1 = replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
-        pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows, E)
+        pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows * cfg1.sub_tiles, E)
         max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"
     common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8,

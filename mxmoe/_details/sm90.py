@@ -80,7 +80,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
             # top-k sum (launch.DIRECT_SUM) of 8 routes per token
             const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0,
-                         SPLIT_REGS=split_regs(cfg), K_PARTS=cfg.k_parts)
+                         SPLIT_REGS=split_regs(cfg), K_PARTS=cfg.k_parts, WIDE=cfg.wide,
+                         SUB_TILES=cfg.sub_tiles)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
@@ -154,10 +155,11 @@ def operand_races(sass: str) -> list:
 
 
 def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
-                    small_rows=(8, 16384, 65536)) -> list:
+                    small_rows=(8, 16384, 32768, 65536)) -> list:
     """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
     ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
-    Gluon kernel at ``small_rows`` (both precisions), and at its first rows also with per-step scale-byte
+    Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last), and at its first rows also
+    with per-step scale-byte
     loads (the form for K % 128 != 0), with the decode K split (two warpgroups) and, W4A16, without a route pack
     (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``)."""
     from .launch import gemm_config
