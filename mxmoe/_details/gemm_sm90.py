@@ -797,34 +797,30 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
 
 @gluon.jit
 def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
-               stride_out, topk_weights_ptr, packed, act, loaded, consumed, sums, mma_done, stored, expert, n0, w_row0,
+               stride_out, topk_weights_ptr, packed, act, loaded, consumed, mma_done, stored, expert, n0, w_row0,
                slot0, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr,
                HALF: gl.constexpr):
     """One warpgroup of a wide W4A16 GEMM1 tile (``_wide_tile``): ``HALF`` 0 the gate rows (from ``w_row0``), 1 the up
     rows, over all K steps, copying rows ``HALF * BT/2 ..`` of the shared activation tiles; then both halves' sums meet
-    in shared memory (the up half's in ``sums[1]``, the gate half's over the activation ring once both warpgroups'
-    MMAs completed) and this warpgroup runs the epilogue of routed rows ``HALF * BT/2 ..``."""
+    in shared memory (over the activation ring, once both warpgroups' MMAs read it) and this warpgroup runs the
+    epilogue of routed rows ``HALF * BT/2 ..``."""
     R: gl.constexpr = BT // 2
     if HALF == 1:
         _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     acc, _ = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
                           w_row0 + HALF * N, slot0, 0, K, top_k, 0, K // BK, True, 1, False, BM, BT, BK, NUM_STAGES,
                           SCALE_WORDS, U, False, False, consumed, HALF * R, R)
-    FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    gate = act._reinterpret(gl.float32, [BM, BT], FL)
-    mbarrier.arrive(mma_done)  # the gate sums go over the activation ring: only once both warpgroups' MMAs read it
+    sums = act._reinterpret(gl.float32, [2, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [gate, up]
+    mbarrier.arrive(mma_done)  # the sums go over the activation ring: only once both warpgroups' MMAs read it
     mbarrier.wait(mma_done, 0)
-    if HALF == 0:
-        gate.store(acc)
-    else:
-        sums.store(acc)
+    sums.index(HALF).store(acc)
     mbarrier.arrive(stored)
     mbarrier.wait(stored, 0)
     MMA: gl.constexpr = _small_mma_layout(R, False)
-    g = gate.slice(HALF * R, R, dim=1).load(MMA)
-    u = sums.slice(HALF * R, R, dim=1).load(MMA)
+    g = sums.index(0).slice(HALF * R, R, dim=1).load(MMA)
+    u = sums.index(1).slice(HALF * R, R, dim=1).load(MMA)
     g, u = _times_row_ref(g, u, ref_ptr, w_row0, N, 2, BM, gl.SliceLayout(1, MMA))
     _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, topk_weights_ptr,
               expert, w_row0, n0, slot0 + HALF * R, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
@@ -840,11 +836,11 @@ def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
                SCALE_WORDS: gl.constexpr, U: gl.constexpr, HALF_REGS: gl.constexpr):
     """A W4A16 GEMM1 program on a wide route tile (``BT`` = 256 rows, the MMA's N): two warpgroups (``_wide_half``),
     gate and up, each one accumulator chain of 64 x 256 converting while the other's MMA runs: half the conversion
-    per MMA of the 128-row tiles' two chains of 64 x 128 (one program per SM: 213 KB of shared memory). They share
-    the activation ring, each copying half of its rows; a slot is refilled once both warpgroups' MMAs on it
-    completed (``consumed``), after this step's MMA went out (before it, each would wait for the other's MMA
-    before converting)."""
-    gl.static_assert(BT == 256 and NUM_STAGES >= 3)
+    per MMA of the 128-row tiles' two chains of 64 x 128 (one program per SM: 185 KB of shared memory at 5
+    stages). They share the activation ring, each copying half of its rows; a slot is refilled once both
+    warpgroups' MMAs on it completed (``consumed``), after this step's MMA went out (before it, each would wait
+    for the other's MMA before converting)."""
+    gl.static_assert(BT == 256 and NUM_STAGES * BK * 2 >= 2 * BM * 4)  # (the ring holds both halves' FP32 sums)
     act = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [NUM_STAGES, BT, BK],
                                     gl.NVMMASharedLayout.get_default_for([BT, BK], a_ptr.dtype.element_ty))
     packed_g = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -854,18 +850,17 @@ def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
     for j in gl.static_range(NUM_STAGES):
         mbarrier.init(loaded.index(j), count=2 * 32 * 4)  # every thread of both warpgroups
         mbarrier.init(consumed.index(j), count=2)
-    sums = gl.allocate_shared_memory(gl.float32, [BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     mma_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     stored = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(mma_done, count=2)
     mbarrier.init(stored, count=2)
     gl.warp_specialize([
         (_wide_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                      out_ptr, stride_out, topk_weights_ptr, packed_g, act, loaded, consumed, sums, mma_done, stored,
+                      out_ptr, stride_out, topk_weights_ptr, packed_g, act, loaded, consumed, mma_done, stored,
                       expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
                       BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 0)),
         (_wide_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                      out_ptr, stride_out, topk_weights_ptr, packed_u, act, loaded, consumed, sums, mma_done, stored,
+                      out_ptr, stride_out, topk_weights_ptr, packed_u, act, loaded, consumed, mma_done, stored,
                       expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
                       BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 1)),
     ], [4], [HALF_REGS])
