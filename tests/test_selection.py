@@ -317,7 +317,12 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
     assert g1.wide is wide and (g1.block_rows == WIDE_ROWS) is wide
     assert g1.block_rows * g1.sub_tiles == g2.block_rows * g2.sub_tiles
     if wide:
-        assert g1.maxnreg == 232 and g1.num_stages == 5 and g2.block_rows == 128 and g2.sub_tiles == 2 and g2.pair
+        import triton
+
+        from mxmoe._details.launch import gluon_validated
+
+        assert g1.maxnreg == 232 and g2.block_rows == 128 and g2.sub_tiles == 2 and g2.pair
+        assert g1.num_stages == (5 if gluon_validated(triton.__version__) else 6)
         # an explicit tile height wins
         assert not gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128}, kernel="gluon_small", gemm1=True).wide
     with pytest.raises(ValueError, match="wide"):

@@ -812,7 +812,11 @@ def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
     acc, _ = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
                           w_row0 + HALF * N, slot0, 0, K, top_k, 0, K // BK, True, 1, False, BM, BT, BK, NUM_STAGES,
                           SCALE_WORDS, U, False, False, consumed, HALF * R, R)
-    sums = act._reinterpret(gl.float32, [2, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [gate, up]
+    FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    if (NUM_STAGES * BK) % (2 * BM) == 0:  # the whole ring as FP32 [.., BM, BT]: sums[0] gate, sums[1] up
+        sums = act._reinterpret(gl.float32, [NUM_STAGES * BK // (2 * BM), BM, BT], FL)
+    else:  # its first stages (a smaller view: Triton 3.6 takes it, 3.8 wants the whole buffer)
+        sums = act._reinterpret(gl.float32, [2, BM, BT], FL)
     mbarrier.arrive(mma_done)  # the sums go over the activation ring: only once both warpgroups' MMAs read it
     mbarrier.wait(mma_done, 0)
     sums.index(HALF).store(acc)

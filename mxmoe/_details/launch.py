@@ -148,8 +148,11 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                    k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
         if bt == WIDE_ROWS:  # wide route tiles: GEMM1 on two warpgroups, GEMM2 on their 128-row halves
-            if gemm1:  # 5 stages (the sums meet over the ring): H200 T=8192 GEMM1 1.935 -> 1.855 ms, 6144 1.885 -> 1.721
-                cfg.update(wide=True, maxnreg=232, num_stages=5)
+            # GEMM1 on 5 stages (the sums meet over the ring): H200 T=8192 1.935 -> 1.855 ms, 6144 1.885 -> 1.721 (6:
+            # 1.869 / 1.767); on a Triton other than the validated one 6 (its shared-memory views must cover the
+            # whole ring: an even number of stages)
+            if gemm1:
+                cfg.update(wide=True, maxnreg=232, num_stages=5 if gluon_validated(triton.__version__) else 6)
             else:
                 cfg.update(block_rows=128, sub_tiles=2)
                 bt = 128
