@@ -629,6 +629,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     threads) and a slot is refilled once both arrived on its ``consumed`` barrier (their MMAs on it completed)."""
     NB: gl.constexpr = BK // 32
     SHARED_ACT: gl.constexpr = ACT_ROWS > 0
+    gl.static_assert(not SHARED_ACT or (NH == 1 and not FP8 and NUM_STAGES >= 3))  # (the refill below)
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
@@ -868,6 +869,7 @@ def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
                       expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
                       BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 1)),
     ], [4], [HALF_REGS])
+
 
 @gluon.jit
 def moe_gemm_small_kernel(
