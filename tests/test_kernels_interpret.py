@@ -155,6 +155,24 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped):
     assert (pack.sorted_routes[used:] == -1).all()
 
 
+@pytest.mark.parametrize("E,tokens", [(2, 200), (3, 400)])  # one launch (600 routes), the multi-kernel pack (1200)
+def test_device_route_pack_of_wide_tiles(E, tokens):
+    """The GPU pack kernels on 256-row tiles (W4A16 prefill above ``WIDE_FROM`` rows per expert) against the torch
+    pack, in a workspace sized for them."""
+    from mxmoe._details.launch import WIDE_FROM, WIDE_ROWS, Workspace
+
+    top_k = 3
+    assert tokens * top_k > WIDE_FROM * E  # the workspace makes room for the wide tiles
+    ids = torch.randint(-1, E, (tokens, top_k), generator=torch.Generator().manual_seed(E), dtype=torch.int32)
+    ids[: tokens // 2, 0] = 0  # a hot expert: several wide tiles
+    ws = Workspace(experts(E, 64, 64), tokens, top_k)
+    pack = ws.route_pack(ids, None, WIDE_ROWS, E)
+    ref = mxmoe.route_pack(ids, E, WIDE_ROWS)
+    for name in ("expert_counts", "segment_offsets", "num_tiles", "tile_expert", "tile_start"):
+        assert torch.equal(getattr(pack, name), getattr(ref, name)), name
+    assert (pack.num_tiles[0] > E) and torch.equal((pack.route_slot < 0), (ref.route_slot < 0))
+
+
 def test_workspace_refuses_a_pack_it_has_no_room_for():
     """A pack of taller tiles than the workspace was sized for (the wide tiles below ``WIDE_FROM`` rows per expert)
     is an error, not a write past the buffers."""
