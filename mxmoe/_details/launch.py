@@ -369,10 +369,13 @@ def early_weights(gemm1: bool, cfg: GemmConfig) -> bool:
     return PDL and EARLY_WEIGHTS and not gemm1 and cfg.k_split == 1
 
 
-def split_regs(cfg: GemmConfig) -> int:
-    """The small-tile kernel's second K-split warpgroup's registers per thread: the launch's ``maxnreg``, as the
-    first's (128 where none is set, the kernel's default)."""
-    return cfg.maxnreg or 128
+def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
+    """The small-tile kernel's constexprs for ``cfg`` (its launch's, and ``sm90.compile_gemm``'s as launched with
+    programmatic dependent launch). ``SPLIT_REGS``: the second warpgroup's registers per thread (K split, wide
+    tiles), the launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default)."""
+    return dict(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, SPLIT_REGS=cfg.maxnreg or 128,
+                K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles,
+                EARLY_WEIGHTS=pdl and early_weights(gemm1, cfg))
 
 
 @functools.cache
@@ -433,15 +436,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
             pdl = _pdl(out.device, kernel_arg=False)
-            extra.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, **pdl)
-            if cfg.wide:
-                extra.update(WIDE=True, SPLIT_REGS=split_regs(cfg))
-            if cfg.sub_tiles > 1:
-                extra.update(SUB_TILES=cfg.sub_tiles)
-            if cfg.k_split == 2:
-                extra.update(SPLIT_REGS=split_regs(cfg))
-            if pdl and early_weights(gemm1, cfg):
-                extra.update(EARLY_WEIGHTS=True)
+            extra.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
             # the direct path's arguments, placeholders without it (the kernel takes them always)
             extra.update(ids_ptr=w_ref, expert_map_ptr=w_ref, num_global=0, num_experts=0, sum_out_ptr=out,
                          stride_sum_out=0, counters_ptr=w_ref, parts_ptr=direct.part_sums if direct else out)
@@ -453,7 +448,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
                     extra.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, stride_sum_out=direct.sum_out.stride(0),
                                  counters_ptr=direct.counters, TOP_K=top_k)
                 if cfg.k_parts == 2:
-                    extra.update(K_PARTS=2, counters_ptr=direct.part_counters)
+                    extra.update(counters_ptr=direct.part_counters)
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     assert direct is None or cfg.kernel == "gluon_small"

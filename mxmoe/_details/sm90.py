@@ -72,16 +72,13 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":  # as launched on sm90 (programmatic dependent launch)
-            from .launch import early_weights, split_regs
-            const.update(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair,
-                         EARLY_WEIGHTS=early_weights(gemm1, cfg))
+            from .launch import small_kernel_constexprs
+            const.update(small_kernel_constexprs(cfg, gemm1, pdl=True))
             sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
                        sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32")
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
             # top-k sum (launch.DIRECT_SUM) of 8 routes per token
-            const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0,
-                         SPLIT_REGS=split_regs(cfg), K_PARTS=cfg.k_parts, WIDE=cfg.wide,
-                         SUB_TILES=cfg.sub_tiles)
+            const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
