@@ -354,22 +354,31 @@ def test_gluon_kernel_matches_plain_kernel(shape, T, kind, precision, monkeypatc
 
 
 @gluon_only
-@pytest.mark.parametrize("kind,ids_dtype", [("hot", torch.int32), ("masked", torch.int64), ("uniform", torch.int32)])
-def test_wide_tiles(kind, ids_dtype, monkeypatch):
+@pytest.mark.parametrize("kind,ids_dtype,T", [("hot", torch.int32, 700), ("masked", torch.int64, 700),
+                                              ("uniform", torch.int32, 700), ("four_experts", torch.int64, 3)])
+def test_wide_tiles(kind, ids_dtype, T, monkeypatch):
     """W4A16 on the wide 256-row route tiles (``launch.WIDE_FROM`` lowered so that 700 tokens take them): hot experts
-    with several wide tiles, masked routes, partial tiles and tile halves without a row; against the exact reference
-    and bitwise equal to the 128-row tiles."""
+    with several wide tiles, masked routes, partial tiles and tile halves without a row; GEMM2 persistent on the wide
+    tiles and on their 128-row halves (``launch.WIDE_GEMM2``); ``four_experts``: 4 route tiles, fewer tiles than
+    programs (programs without a tile, each other program one tile). Against the exact reference and bitwise equal to
+    the 128-row tiles."""
     from mxmoe._details import launch
 
     E, H, I, top_k = SHAPES["ref"]
     ex = gpu_experts(E, H, I)
-    T = 700
     x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
-    ids, w = routing(T, top_k, E, kind=kind, ids_dtype=ids_dtype, seed=7)
+    if kind == "four_experts":
+        ids = torch.tensor([[5, 9, 200, 287] + [-1] * (top_k - 4)] * T, device="cuda", dtype=ids_dtype)
+        w = torch.rand(T, top_k, device="cuda") + 0.1
+    else:
+        ids, w = routing(T, top_k, E, kind=kind, ids_dtype=ids_dtype, seed=7)
     outs = []
-    for wide_from in (0, 10**9):
+    for wide_from, wide_gemm2 in ((0, True), (0, False), (10**9, True)):
         monkeypatch.setattr(launch, "WIDE_FROM", wide_from)
+        monkeypatch.setattr(launch, "WIDE_GEMM2", wide_gemm2)
         ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under this rule
-        assert launch.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small").wide is (wide_from == 0)
+        g1 = launch.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small")
+        g2 = launch.gemm_config(T * top_k, E, H, I, False, kernel="gluon_small", gemm1=False)
+        assert g1.wide is (wide_from == 0) and g2.wide is (wide_from == 0 and wide_gemm2)
         outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

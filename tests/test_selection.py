@@ -146,7 +146,7 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
 
 @pytest.mark.parametrize("rows,fp8,gemm1,n,pair", [
     (288 * 32, False, False, 4096, True),    # W4A16 GEMM2 from 32-row tiles
-    (288 * 200, False, False, 4096, True),
+    (288 * 130, False, False, 4096, True),   # (above 136 rows per expert: the wide GEMM2, test_wide_tiles)
     (288 * 12, False, False, 4096, False),   # 16-row tiles: measured slower
     (288 * 200, True, False, 4096, False),   # W4A8 from 32-row tiles: measured slower
     (288 * 32, True, False, 4096, False),
@@ -293,22 +293,25 @@ def test_route_tile_height(per_expert, small, plain):
     assert tile_rows_for(rows, 288) == plain
     for fp8 in (False, True):
         cfg = gemm_config(rows, 288, 1024, 4096, fp8, kernel="gluon_small", gemm1=True)
-        wide = not fp8 and per_expert > 150  # W4A16's wide tiles (test_wide_tiles)
+        wide = not fp8 and per_expert > 136  # W4A16's wide tiles (test_wide_tiles)
         assert cfg.block_rows == (256 if wide else min(small, 64 if fp8 else 128))
 
 
 @pytest.mark.parametrize("per_expert,E,H,fp8,wide", [
-    (228, 288, 4096, False, True),    # T=8192 on the reference shape: wide tiles (H200: GEMM1 -5 %)
-    (171, 288, 4096, False, True),    # T=6144
+    (228, 288, 4096, False, True),    # T=8192 on the reference shape: wide tiles (H200: -9.8 % with the wide GEMM2)
+    (171, 288, 4096, False, True),    # T=6144 (H200: -10 %)
     (160, 288, 4096, False, True),    # T=5760 (H200: -3.5 %)
-    (150, 288, 4096, False, False),   # above 150 rows per expert (T=5120, 142 rows: equal)
+    (142, 288, 4096, False, True),    # T=5120 (H200: -12.5 %)
+    (136, 288, 4096, False, False),   # above 136 rows per expert
+    (128, 288, 4096, False, False),   # T=4608 (H200: +6.4 %)
     (114, 288, 4096, False, False),   # T=4096: one 128-row tile per expert
     (228, 288, 4096, True, False),    # W4A8: its 64-row tiles
     (512, 128, 2880, False, False),   # H % 128 != 0: GEMM2 has no two-block form (the wide GEMM2 halves need it)
 ])
 def test_wide_tiles(per_expert, E, H, fp8, wide):
-    """W4A16 prefill with more than 150 rows per expert: 256-row route tiles, GEMM1 on two warpgroups (gate, up),
-    GEMM2 on the tiles' 128-row halves with its two-block form; both GEMMs read one pack of 256-row tiles."""
+    """W4A16 prefill with more than 136 rows per expert: 256-row route tiles, GEMM1 on two warpgroups (gate, up),
+    GEMM2 persistent on two warpgroups (or on the tiles' 128-row halves with its two-block form); both GEMMs read one
+    pack of 256-row tiles."""
     from mxmoe._details.launch import WIDE_ROWS, gemm_config
 
     rows = int(per_expert * E)
@@ -321,8 +324,15 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
 
         from mxmoe._details.launch import gluon_validated
 
-        assert g1.maxnreg == 232 and g2.block_rows == 128 and g2.sub_tiles == 2 and g2.pair
+        assert g1.maxnreg == 232
         assert g1.num_stages == (5 if gluon_validated(triton.__version__) else 6)
+        # GEMM2 persistent on the wide tiles where its scale words fit (I % 128 == 0), else on their 128-row halves
+        # with its two-block form
+        assert g2.wide and g2.block_rows == WIDE_ROWS and g2.sub_tiles == 1 and not g2.pair and g2.maxnreg == 255
+        with pytest.raises(ValueError, match="no pair"):
+            gemm_config(rows, E, H, 1024, fp8, {"pair": True}, kernel="gluon_small", gemm1=False)
+        halves = gemm_config(rows, E, H, 1088, fp8, kernel="gluon_small", gemm1=False)
+        assert not halves.wide and halves.block_rows == 128 and halves.sub_tiles == 2 and halves.pair
         # an explicit tile height wins
         assert not gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128}, kernel="gluon_small", gemm1=True).wide
     with pytest.raises(ValueError, match="wide"):

@@ -9,9 +9,9 @@ MMA's M, routed rows its N; the small-tile kernel takes the direct path's argume
   below); two accumulator chains (GEMM1's gate and up halves, GEMM2's two row blocks with ``PAIR``) let
   one convert while the other's MMA runs; for decode grids smaller than the SM count, two warpgroups
   split the K steps; for a few W4A16 tokens (``launch.direct_routes``) no route pack (a tile per route,
-  the experts from the top-k ids) and GEMM2 also does the top-k sum; for W4A16 prefill past ~150 rows per
-  expert (``WIDE``) 256-row tiles on two warpgroups, one chain of 64 x 256 each (``_wide_tile``), and GEMM2 on
-  their 128-row halves (``SUB_TILES``).
+  the experts from the top-k ids) and GEMM2 also does the top-k sum; for W4A16 prefill past ~136 rows per
+  expert (``WIDE``) 256-row tiles on two warpgroups, one chain of 64 x 256 each (``_wide_tile``), and GEMM2
+  likewise, persistent (``_wide_gemm2``; or on the tiles' 128-row halves, ``SUB_TILES``).
 - ``moe_gemm_ws_kernel`` (W4A16; in the default selection GEMM2 on 128-row tiles with N % 128 != 0): persistent,
   warp-specialized, async wgmma. Plain Triton 3.6 waits on every wgmma, so conversion and MMA never
   overlap there; here the partitions run concurrently, each walking the program's tiles:
@@ -251,7 +251,10 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
         stage = act.index(slot)
         if a_ptrs.shape[0] != stage.shape[0]:
             stage = stage.slice(ACT_ROW0, a_ptrs.shape[0])
-        async_copy.async_copy_global_to_shared(stage, a_ptrs + step * BK, mask=ok[:, None])
+        if ok is None:  # every row (a slot of its own, written or not)
+            async_copy.async_copy_global_to_shared(stage, a_ptrs + step * BK)
+        else:
+            async_copy.async_copy_global_to_shared(stage, a_ptrs + step * BK, mask=ok[:, None])
         async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
 
 
@@ -834,6 +837,21 @@ def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
 
 
 @gluon.jit
+def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The ``cp.async`` ring of a wide tile's two warpgroups: the shared activation rows, each warpgroup's packed
+    weights, ``loaded`` (every thread of both arrives) and ``consumed`` (both warpgroups' MMAs on the slot completed)."""
+    act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK], gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
+    packed_0 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    packed_1 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_STAGES):
+        mbarrier.init(loaded.index(j), count=2 * 32 * 4)
+        mbarrier.init(consumed.index(j), count=2)
+    return act, packed_0, packed_1, loaded, consumed
+
+
+@gluon.jit
 def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
                stride_out, topk_weights_ptr, expert, n0, w_row0, slot0, N, K, top_k, limit, alpha,
                SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
@@ -846,15 +864,7 @@ def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
     warpgroups' MMAs on it completed (``consumed``), after this step's MMA went out (before it, each would wait
     for the other's MMA before converting)."""
     gl.static_assert(BT == 256 and NUM_STAGES * BK * 2 >= 2 * BM * 4)  # (the ring holds both halves' FP32 sums)
-    act = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [NUM_STAGES, BT, BK],
-                                    gl.NVMMASharedLayout.get_default_for([BT, BK], a_ptr.dtype.element_ty))
-    packed_g = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    packed_u = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(NUM_STAGES):
-        mbarrier.init(loaded.index(j), count=2 * 32 * 4)  # every thread of both warpgroups
-        mbarrier.init(consumed.index(j), count=2)
+    act, packed_g, packed_u, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
     mma_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     stored = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(mma_done, count=2)
@@ -869,6 +879,203 @@ def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
                       expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
                       BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 1)),
     ], [4], [HALF_REGS])
+
+
+@gluon.jit
+def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
+                     out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging, first, end, N,
+                     K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr,
+                     BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
+                     EARLY_WEIGHTS: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup of the persistent wide W4A16 GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
+    ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
+    BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
+    tiles: a tile's last steps refill it with the next tile's first steps, whose copies land during the epilogue.
+
+    The epilogue holds up the tensor core (both warpgroups reach it together), so it does little: what it reads from
+    global memory is loaded a tile or half a tile ahead (each tile's expert, row factors, each slot's route and routing
+    weight); routes and weights go through ``cols`` (by tile parity; in the accumulator's layout they would take 128
+    registers), and the BF16 results through ``staging`` [BT, BM], so that each thread stores whole 16-B pieces of
+    output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
+    R: gl.constexpr = BT // 2
+    NB: gl.constexpr = BK // 32
+    G: gl.constexpr = 4 // NB  # K steps per scale word (scale words: K % 128 == 0)
+    S: gl.constexpr = NUM_STAGES
+    MMA: gl.constexpr = _small_mma_layout(BT, False)
+    HM: gl.constexpr = _small_mma_layout(BT // 2, False)  # the epilogue's halves
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WL: gl.constexpr = _fragment_words_layout(BM, BK)
+    SC: gl.constexpr = gl.SliceLayout(2, WL)
+    ROWS: gl.constexpr = gl.SliceLayout(1, HM)
+    EL: gl.constexpr = gl.BlockedLayout([BT // 128], [32], [4], [0])  # a tile's slots over the warpgroup
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
+    stride = gl.num_programs(0)
+    n_blocks = N // (2 * BM)
+    num_k = K // BK
+    sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
+    shifts = (8 * gl.arange(0, NB, layout=gl.SliceLayout(0, SC)))[None, :]
+    offs_r = gl.arange(0, BM, layout=ROWS)
+    offs_e = gl.arange(0, BT, layout=EL)
+    offs_o = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+
+    # activation rows: this warpgroup's half of the tile's slots, all of them (the MMA's columns are independent, and
+    # a padding slot's output column is not stored): one offset tensor for every tile, 32-bit
+    AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
+    a_off = ((HALF * R + gl.arange(0, R, layout=gl.SliceLayout(1, AL)))[:, None] * stride_a
+             + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
+    # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
+    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, BT)
+    w_row0 += HALF * BM
+    w_ptrs, a_unused, ok_unused, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, 0, w_row0,
+                                                            K, False, BM, R, BK, U)
+    a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
+    for j in gl.static_range(S - 1):
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U,
+                     1 if EARLY_WEIGHTS else 0, True, HALF * R)
+    _wait_for_previous_kernel()
+    if EARLY_WEIGHTS:
+        for j in gl.static_range(S - 1):
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U, 2, True, HALF * R)
+    w_rows = (s_ptr + (w_row0 + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+    nxt_w = gl.load(w_rows)
+    fac0 = _opaque((FOLD_REF_MAX - _fold_ref(ref_ptr + w_row0 + sm)) * 0x00800080)[:, None]
+    expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
+    mbarrier.wait(loaded.index(0), 0)
+    codes = _fragment_words(packed.index(0), BM, BK, WL)
+    c = 0  # ring steps so far
+    n_tiles = 0  # tiles so far
+    for tile in range(first, end, stride):
+        # loaded now, used at the epilogue: the row references, each slot's route (its routing weight mid-tile)
+        row_ref = gl.load(ref_ptr + w_row0 + offs_r)
+        bias = gl.zeros([BM], gl.float32, ROWS)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + w_row0 + offs_r)
+        gs = 1.0
+        if HAS_GSCALE:
+            gs = gl.load(gscale_ptr + expert)
+        e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
+        e_weights = gl.zeros([BT], gl.float32, EL)
+        # the next tile (this one again where it is the last): copy pointers, scale row, row references (used at the
+        # end of this tile); the expert of the one after it
+        has_next = tile + stride < end
+        nt = gl.minimum(tile + stride, end - 1)
+        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
+        w_row0_n += HALF * BM
+        expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
+        w_ptrs_n, a_unused_n, ok_unused_n, rb_unused_n = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr,
+                                                                        slot0_n, 0, w_row0_n, K, False, BM, R, BK, U)
+        a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
+        w_rows_n = (s_ptr + (w_row0_n + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+        ref_n = gl.load(ref_ptr + w_row0_n + sm)
+        acc = gl.zeros((BM, BT), gl.float32, MMA)
+        for jg in range(num_k // G):
+            cur_w = nxt_w
+            if jg + 1 < num_k // G:
+                nxt_w = gl.load(w_rows + jg + 1)
+            else:
+                nxt_w = gl.load(w_rows_n)
+            if jg == num_k // (2 * G):  # the routes arrived long ago: no wait for them here
+                e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)
+            for g in gl.static_range(G):
+                i = jg * G + g
+                s = c % S
+                # BF16x2 2**(126 + b - r) per (row, block), as in _small_steps
+                f = ((cur_w[:, None] >> (shifts + 8 * g * NB)) & 0xFF) * 0x00800080 + fac0
+                cur = codes
+                if (i + 1 < num_k) or has_next:
+                    t = (c + 1) % S
+                    mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
+                    codes = _fragment_words(packed.index(t), BM, BK, WL)
+                acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT), act.index(s).permute((1, 0)), acc,
+                                    is_async=True)
+                # refill the slot step c - 1 read (once both warpgroups' MMAs on it completed) with step c + S - 1:
+                # this tile's, or the next tile's first ones
+                nxt = i + S - 1
+                if (nxt < num_k) or has_next:
+                    if c > 0:
+                        mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
+                    if nxt < num_k:
+                        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, (c + S - 1) % S, nxt, 1,
+                                     BK, U, 0, True, HALF * R)
+                    else:
+                        _issue_stage(packed, act, loaded, w_ptrs_n, a_ptrs_n, None, 0, row_bytes, (c + S - 1) % S,
+                                     nxt - num_k, 1, BK, U, 0, True, HALF * R)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(consumed.index(s))
+                c += 1
+        # epilogue: W4A16 row factors (as _times_row_ref), global scale, bias and routing weight (as _epilogue), in
+        # two halves of the routed rows, into ``staging``; then the routed rows' 16-B pieces to the output
+        p = n_tiles & 1
+        cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
+        cols.index(2 * p + 1).store(e_weights)
+        row_f = _pow2(gl.minimum(row_ref, FOLD_REF_MAX) - 127)
+        lo, hi = acc.reshape([BM, 2, BT // 2]).permute((0, 2, 1)).split()
+        for h in gl.static_range(2):
+            part = gl.convert_layout(lo if h == 0 else hi, HM, assert_trivial=True)
+            weights = cols.index(2 * p + 1).slice(h * R, R).load(gl.SliceLayout(0, HM))
+            y = part * row_f[:, None] * gs
+            if HAS_BIAS:
+                y += bias[:, None]
+            y = y * weights[None, :]
+            staging.slice(h * R, R).permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+        routes = cols.index(2 * p).load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
+        row_ok = routes >= 0
+        offs_n = n0 + HALF * BM + offs_o
+        if OUT_I64:
+            out_ptrs = out_ptr + gl.where(row_ok, routes, 0).to(gl.int64)[:, None] * stride_out + offs_n[None, :]
+        else:
+            out_ptrs = out_ptr + (gl.where(row_ok, routes, 0)[:, None] * stride_out + offs_n[None, :])
+        gl.store(out_ptrs, staging.load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
+        n_tiles += 1
+        expert = expert_n
+        n0 = n0_n
+        w_row0 = w_row0_n
+        slot0 = slot0_n
+        w_ptrs = w_ptrs_n
+        a_ptrs = a_ptrs_n
+        w_rows = w_rows_n
+        fac0 = _opaque((FOLD_REF_MAX - gl.minimum(ref_n, FOLD_REF_MAX)) * 0x00800080)[:, None]
+        expert_n = expert_nn
+    return ()
+
+
+@gluon.jit
+def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
+                num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
+                HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr,
+                HALF_REGS: gl.constexpr):
+    """W4A16 GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
+    walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
+    (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
+    the wide GEMM1). With such short programs (K = I) a program per tile would leave the tensor core idle through
+    every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
+    gl.static_assert(BT == 256 and NUM_STAGES >= 3)
+    first = gl.program_id(0)
+    end = (N // (2 * BM)) * gl.load(num_tiles_ptr)  # (the route pack is complete: GEMM1 waited for it)
+    if first < end:
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
+        # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
+        # stores and loads of them: Triton's shared-memory barrier pass)
+        FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        cols_0 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
+        cols_1 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
+        # each warpgroup's BF16 results of a tile, the routed rows' 16-B pieces then stored from here
+        OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM], out_ptr.dtype.element_ty)
+        staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
+        staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
+        gl.warp_specialize([
+            (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                                tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act, loaded, consumed,
+                                cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U,
+                                EARLY_WEIGHTS, 0)),
+            (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                                tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act, loaded, consumed,
+                                cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U,
+                                EARLY_WEIGHTS, 1)),
+        ], [4], [HALF_REGS])
+    else:
+        _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
 
 
 @gluon.jit
@@ -907,15 +1114,17 @@ def moe_gemm_small_kernel(
     (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
     no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose grid fills the SMs unevenly): grid axis 2
     splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``.
-    ``WIDE`` (W4A16 GEMM1, ``BT`` = 256): ``_wide_tile``, two warpgroups (``SPLIT_REGS`` registers each), the gate
-    and up halves. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows ``t * BT ..`` of
+    ``WIDE`` (W4A16, ``BT`` = 256): GEMM1 ``_wide_tile``, two warpgroups (``SPLIT_REGS`` registers each), the gate
+    and up halves; GEMM2 ``_wide_gemm2``, persistent (a 1-D grid of at most one program per SM), two warpgroups of
+    64 output columns each. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows ``t * BT ..`` of
     tile t // 2, and none where that half holds no routed row."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
     gl.static_assert(not SUM_ROUTES or (DIRECT and not GEMM1 and TOP_K > 0))
     gl.static_assert(K_PARTS == 1 or (K_PARTS == 2 and DIRECT and GEMM1 and KSPLIT == 1))
-    gl.static_assert(not WIDE or (GEMM1 and not FP8 and KSPLIT == 1 and K_PARTS == 1 and not DIRECT and BT == 256))
+    gl.static_assert(not WIDE or (not FP8 and KSPLIT == 1 and K_PARTS == 1 and not DIRECT and BT == 256))
+    gl.static_assert(not WIDE or GEMM1 or (SCALE_WORDS and not PAIR and SUB_TILES == 1))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
     # before it is either a plain launch (W4A8's row quantizer) or GEMM1, which lets it launch only after its
@@ -925,88 +1134,93 @@ def moe_gemm_small_kernel(
         _wait_for_previous_kernel()
     if GEMM1:
         _launch_dependents()
-    pid_n = gl.program_id(0)
-    pid_t = gl.program_id(1)
-    if DIRECT:
-        expert = _direct_expert(ids_ptr, expert_map_ptr, pid_t, num_global, num_experts, HAS_MAP)
-        has_tile = expert >= 0
+    if WIDE and not GEMM1:
+        _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
+                    num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
+                    NUM_STAGES, OUT_I64, W_UNIT, EARLY_WEIGHTS, SPLIT_REGS)
     else:
-        expert = gl.load(tile_expert_ptr + pid_t // SUB_TILES).to(gl.int64)
-        has_tile = pid_t // SUB_TILES < gl.load(num_tiles_ptr)
-        if SUB_TILES > 1:  # a pack of SUB_TILES * BT-row tiles, BT rows per program: skip the parts without a row
-            has_tile = has_tile & (gl.load(sorted_routes_ptr + pid_t * BT) >= 0)
-    WIDTH: gl.constexpr = 2 * BM if PAIR else BM  # output columns per program
-    if has_tile:
-        NB: gl.constexpr = BK // 32
-        NH: gl.constexpr = 2 if GEMM1 or PAIR else 1
-        # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
-        expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, WIDTH, BT)
-        half_rows = N if GEMM1 else BM
-        num_k = K // BK
-        MMA: gl.constexpr = _small_mma_layout(BT, FP8)
-        a_dtype: gl.constexpr = a_ptr.dtype.element_ty
-        if WIDE:
-            _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                       out_ptr, stride_out, topk_weights_ptr, expert, n0, w_row0, slot0, N, K, top_k, limit, alpha,
-                       SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, SCALE_WORDS, W_UNIT,
-                       SPLIT_REGS)
+        pid_n = gl.program_id(0)
+        pid_t = gl.program_id(1)
+        if DIRECT:
+            expert = _direct_expert(ids_ptr, expert_map_ptr, pid_t, num_global, num_experts, HAS_MAP)
+            has_tile = expert >= 0
         else:
-            packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
-            if KSPLIT == 1:
-                first_k = 0
-                steps = num_k
-                if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
-                    part = _first_half_steps(num_k, NB, SCALE_WORDS)
-                    first_k = gl.program_id(2) * part
-                    steps = part + gl.program_id(2) * (num_k - 2 * part)
-                acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
-                                            loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
-                                            BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT)
+            expert = gl.load(tile_expert_ptr + pid_t // SUB_TILES).to(gl.int64)
+            has_tile = pid_t // SUB_TILES < gl.load(num_tiles_ptr)
+            if SUB_TILES > 1:  # a pack of SUB_TILES * BT-row tiles, BT rows per program: skip the parts without a row
+                has_tile = has_tile & (gl.load(sorted_routes_ptr + pid_t * BT) >= 0)
+        WIDTH: gl.constexpr = 2 * BM if PAIR else BM  # output columns per program
+        if has_tile:
+            NB: gl.constexpr = BK // 32
+            NH: gl.constexpr = 2 if GEMM1 or PAIR else 1
+            # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
+            expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, WIDTH, BT)
+            half_rows = N if GEMM1 else BM
+            num_k = K // BK
+            MMA: gl.constexpr = _small_mma_layout(BT, FP8)
+            a_dtype: gl.constexpr = a_ptr.dtype.element_ty
+            if WIDE:
+                _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                           out_ptr, stride_out, topk_weights_ptr, expert, n0, w_row0, slot0, N, K, top_k, limit, alpha,
+                           SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, SCALE_WORDS, W_UNIT,
+                           SPLIT_REGS)
             else:
-                # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
-                # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
-                gl.static_assert(KSPLIT == 2)
-                packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
-                partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-                done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-                mbarrier.init(done, count=1)
-                half = _first_half_steps(num_k, NB, SCALE_WORDS)
-                acc_g, acc_u = gl.warp_specialize([
-                    (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                                    w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                    SCALE_WORDS, W_UNIT, False, DIRECT)),
-                    (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
-                                              loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
-                                              done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
-                                              DIRECT)),
-                ], [4], [SPLIT_REGS])
-                mbarrier.wait(done, 0)
-                acc_g = acc_g + partial.index(0).load(MMA)
-                if NH == 2:
-                    acc_u = acc_u + partial.index(1).load(MMA)
-            last = True
-            if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
-                acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
-            if last:
-                if not FP8:
-                    acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
-                                                  gl.SliceLayout(1, MMA))
-                _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                          topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
-                          HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
-                if PAIR:  # the second block's rows
-                    _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                              topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
-                              SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
-    else:
-        if EARLY_WEIGHTS:
-            # a program without a tile waits too: a kernel must not complete before the one it follows (else the
-            # next kernel's wait would not cover GEMM1, which may still be running)
-            _wait_for_previous_kernel()
-        if DIRECT and not GEMM1:  # a masked route's row of the routed output is zero (the top-k sum adds it)
-            ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-            cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=ZL)
-            gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty))
-    if SUM_ROUTES:
-        _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t, WIDTH,
-                            TOP_K)
+                packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+                if KSPLIT == 1:
+                    first_k = 0
+                    steps = num_k
+                    if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
+                        part = _first_half_steps(num_k, NB, SCALE_WORDS)
+                        first_k = gl.program_id(2) * part
+                        steps = part + gl.program_id(2) * (num_k - 2 * part)
+                    acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
+                                                loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
+                                                BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT)
+                else:
+                    # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
+                    # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
+                    gl.static_assert(KSPLIT == 2)
+                    packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+                    partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+                    mbarrier.init(done, count=1)
+                    half = _first_half_steps(num_k, NB, SCALE_WORDS)
+                    acc_g, acc_u = gl.warp_specialize([
+                        (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
+                                        w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
+                                        SCALE_WORDS, W_UNIT, False, DIRECT)),
+                        (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
+                                                  loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
+                                                  done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
+                                                  DIRECT)),
+                    ], [4], [SPLIT_REGS])
+                    mbarrier.wait(done, 0)
+                    acc_g = acc_g + partial.index(0).load(MMA)
+                    if NH == 2:
+                        acc_u = acc_u + partial.index(1).load(MMA)
+                last = True
+                if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
+                    acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
+                if last:
+                    if not FP8:
+                        acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
+                                                      gl.SliceLayout(1, MMA))
+                    _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                              topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
+                              HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+                    if PAIR:  # the second block's rows
+                        _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                                  topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
+                                  SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+        else:
+            if EARLY_WEIGHTS:
+                # a program without a tile waits too: a kernel must not complete before the one it follows (else the
+                # next kernel's wait would not cover GEMM1, which may still be running)
+                _wait_for_previous_kernel()
+            if DIRECT and not GEMM1:  # a masked route's row of the routed output is zero (the top-k sum adds it)
+                ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+                cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=ZL)
+                gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty))
+        if SUM_ROUTES:
+            _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t, WIDTH,
+                                TOP_K)

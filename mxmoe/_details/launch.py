@@ -24,7 +24,8 @@ from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pac
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMM1 (``GemmConfig.wide``)
-WIDE_FROM = 150  # routed rows per expert above which W4A16 takes them (gemm_config)
+WIDE_FROM = 136  # routed rows per expert above which W4A16 takes them (gemm_config)
+WIDE_GEMM2 = True  # GEMM2 on the wide tiles themselves (persistent), else on their 128-row halves
 PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
 # GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
@@ -52,7 +53,8 @@ class GemmConfig:
     pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
     k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
     # that fill the SMs unevenly)
-    wide: bool = False  # gluon_small W4A16 GEMM1 on 256-row route tiles: two warpgroups, gate and up (``_wide_tile``)
+    wide: bool = False  # gluon_small W4A16 on 256-row route tiles: two warpgroups; GEMM1 gate and up (``_wide_tile``),
+    # GEMM2 persistent, 64 output columns each (``_wide_gemm2``)
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
 
 
@@ -140,9 +142,10 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         chosen_bt = override.pop("block_rows", None)
         bt = chosen_bt or tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8), first_fill=0.75)
         # W4A16 with more than WIDE_FROM rows per expert (most experts past one 128-row tile): 256-row tiles, GEMM1
-        # on two warpgroups (``wide``: half the conversion per MMA), GEMM2 on their 128-row halves, where GEMM2's
-        # pairs fit (H % 128 == 0; H is GEMM1's K and GEMM2's N). H200, reference shape, the call against 128-row
-        # tiles: T=4608 +16.5 %, 5120 +0.2 %, 5760 and 6144 -3.5 %, 8192 -7.7 % (docs/perf-notes.md step 20)
+        # on two warpgroups (``wide``: half the conversion per MMA), GEMM2 likewise (persistent) where its scale words
+        # fit (I % 128 == 0), else on their 128-row halves; GEMM2's N (= H, GEMM1's K) % 128 == 0. H200, reference
+        # shape, the call against 128-row tiles: T=4608 (128 rows per expert) +6.4 %, 5120 (142) -12.5 %, 6144 -10 %,
+        # 8192 -9.8 % (docs/perf-notes.md step 21)
         if not (chosen_bt or fp8) and rows > WIDE_FROM * num_experts and (k if gemm1 else n) % 128 == 0:
             bt = WIDE_ROWS
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
@@ -153,6 +156,9 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             # whole ring: an even number of stages)
             if gemm1:
                 cfg.update(wide=True, maxnreg=232, num_stages=5 if gluon_validated(triton.__version__) else 6)
+            elif WIDE_GEMM2 and k % 128 == 0:
+                # persistent, two warpgroups of one 64 x 256 chain each (``gemm_sm90._wide_gemm2``)
+                cfg.update(wide=True, maxnreg=255, num_stages=4)
             else:
                 cfg.update(block_rows=128, sub_tiles=2)
                 bt = 128
@@ -198,7 +204,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # faster (H200, perf-notes step 14): W4A16 from 32-row tiles (GEMM2 T=1024 0.386 -> 0.361, T=8192
         # 1.689 -> 1.455 ms against the kernels before; slower on 16-row tiles), W4A8 on 16-row tiles (T=64
         # 0.170 -> 0.159 ms; from 32 rows its registers cost programs per SM: slower)
-        if not gemm1 and gemm2_pair_fits(n) and (bt == 16 if fp8 else bt >= 32):
+        if not gemm1 and gemm2_pair_fits(n) and (bt == 16 if fp8 else bt >= 32) and not cfg["wide"]:
             cfg.update(pair=True)
         cfg.update(override)
         if capped and "maxnreg" not in override and (cfg["block_rows"], cfg["block_k"]) != capped:
@@ -215,8 +221,11 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
         if cfg["pair"] and gemm1:
             raise ValueError("pair is for GEMM2")
-        if cfg["wide"] and not (gemm1 and not fp8 and cfg["block_rows"] == 256 and cfg["k_split"] == 1):
-            raise ValueError("wide is for W4A16 GEMM1 on 256-row tiles")
+        if cfg["wide"] and not (not fp8 and cfg["block_rows"] == 256 and cfg["k_split"] == 1 and cfg["k_parts"] == 1):
+            raise ValueError("wide is for W4A16 on 256-row tiles")
+        if cfg["wide"] and not gemm1 and (cfg["pair"] or not cfg["scale_words"] or n % 128
+                                          or k // cfg["block_k"] < cfg["num_stages"] - 1):
+            raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair and num_stages - 1 K steps")
         if n % (cfg["block_m"] * (2 if cfg["pair"] else 1)):
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
                              f"(block_m, twice that with pair)")
@@ -435,6 +444,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
+            if cfg.wide and not gemm1:  # persistent: at most one program per SM
+                grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             pdl = _pdl(out.device, kernel_arg=False)
             extra.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
             # the direct path's arguments, placeholders without it (the kernel takes them always)
