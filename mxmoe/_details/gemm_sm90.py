@@ -940,12 +940,14 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     nxt_w = gl.load(w_rows)
     fac0 = _opaque((FOLD_REF_MAX - _fold_ref(ref_ptr + w_row0 + sm)) * 0x00800080)[:, None]
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
+    e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
     mbarrier.wait(loaded.index(0), 0)
     codes = _fragment_words(packed.index(0), BM, BK, WL)
     c = 0  # ring steps so far
     n_tiles = 0  # tiles so far
     for tile in range(first, end, stride):
-        # loaded now, used at the epilogue: the row references, each slot's route (its routing weight mid-tile)
+        # loaded now, used at the epilogue: the row references (each slot's route was loaded a tile ahead, its routing
+        # weight mid-tile: ptxas computes the weight's address where the route arrives)
         row_ref = gl.load(ref_ptr + w_row0 + offs_r)
         bias = gl.zeros([BM], gl.float32, ROWS)
         if HAS_BIAS:
@@ -953,10 +955,9 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         gs = 1.0
         if HAS_GSCALE:
             gs = gl.load(gscale_ptr + expert)
-        e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
         e_weights = gl.zeros([BT], gl.float32, EL)
         # the next tile (this one again where it is the last): copy pointers, scale row, row references (used at the
-        # end of this tile); the expert of the one after it
+        # end of this tile), its slots' routes; the expert of the one after it
         has_next = tile + stride < end
         nt = gl.minimum(tile + stride, end - 1)
         expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
@@ -967,6 +968,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
         w_rows_n = (s_ptr + (w_row0_n + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
+        e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
         for jg in range(num_k // G):
             cur_w = nxt_w
@@ -1036,6 +1038,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         w_rows = w_rows_n
         fac0 = _opaque((FOLD_REF_MAX - gl.minimum(ref_n, FOLD_REF_MAX)) * 0x00800080)[:, None]
         expert_n = expert_nn
+        e_routes = e_routes_n
     return ()
 
 
