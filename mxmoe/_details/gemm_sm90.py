@@ -9,7 +9,7 @@ MMA's M, routed rows its N; the small-tile kernel takes the direct path's argume
   below); two accumulator chains (GEMM1's gate and up halves, GEMM2's two row blocks with ``PAIR``) let
   one convert while the other's MMA runs; for decode grids smaller than the SM count, two warpgroups
   split the K steps; for a few W4A16 tokens (``launch.direct_routes``) no route pack (a tile per route,
-  the experts from the top-k ids) and GEMM2 also does the top-k sum; for W4A16 prefill past ~136 rows per
+  the experts from the top-k ids) and GEMM2 also does the top-k sum; for W4A16 prefill past ~132 rows per
   expert (``WIDE``) 256-row tiles on two warpgroups, one chain of 64 x 256 each (``_wide_tile``), and GEMM2
   likewise, persistent (``_wide_gemm2``; or on the tiles' 128-row halves, ``SUB_TILES``).
 - ``moe_gemm_ws_kernel`` (W4A16; in the default selection GEMM2 on 128-row tiles with N % 128 != 0): persistent,

@@ -24,7 +24,7 @@ from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pac
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMM1 (``GemmConfig.wide``)
-WIDE_FROM = 136  # routed rows per expert above which W4A16 takes them (gemm_config)
+WIDE_FROM = 132  # routed rows per expert above which W4A16 takes them (gemm_config)
 WIDE_GEMM2 = True  # GEMM2 on the wide tiles themselves (persistent), else on their 128-row halves
 PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
 # GEMMs and the top-k sum
@@ -144,8 +144,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # W4A16 with more than WIDE_FROM rows per expert (most experts past one 128-row tile): 256-row tiles, GEMM1
         # on two warpgroups (``wide``: half the conversion per MMA), GEMM2 likewise (persistent) where its scale words
         # fit (I % 128 == 0), else on their 128-row halves; GEMM2's N (= H, GEMM1's K) % 128 == 0. H200, reference
-        # shape, the call against 128-row tiles: T=4608 (128 rows per expert) +6.4 %, 5120 (142) -12.5 %, 6144 -10 %,
-        # 8192 -9.8 % (docs/perf-notes.md step 21)
+        # shape, the call against 128-row tiles: T=4608 (128 rows per expert) +11.7 %, 4864 (135) -6.4 %, 5120 (142)
+        # -12.5 %, 6144 -10 %, 8192 -9.8 % (docs/perf-notes.md step 21)
         if not (chosen_bt or fp8) and rows > WIDE_FROM * num_experts and (k if gemm1 else n) % 128 == 0:
             bt = WIDE_ROWS
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
