@@ -303,7 +303,7 @@ def test_route_tile_height(per_expert, small, plain):
     (160, 288, 4096, False, True),    # T=5760 (H200: -3.5 %)
     (142, 288, 4096, False, True),    # T=5120 (H200: -12.5 %)
     (135, 288, 4096, False, True),    # T=4864 (H200: -6.4 %)
-    (132, 288, 4096, False, False),   # above 132 rows per expert
+    (132, 288, 4096, False, False),   # wide above 132 rows per expert, not at it
     (128, 288, 4096, False, False),   # T=4608 (H200: +11.7 %)
     (114, 288, 4096, False, False),   # T=4096: one 128-row tile per expert
     (228, 288, 4096, True, False),    # W4A8: its 64-row tiles
@@ -332,8 +332,16 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
         assert g2.wide and g2.block_rows == WIDE_ROWS and g2.sub_tiles == 1 and not g2.pair and g2.maxnreg == 255
         with pytest.raises(ValueError, match="no pair"):
             gemm_config(rows, E, H, 1024, fp8, {"pair": True}, kernel="gluon_small", gemm1=False)
-        halves = gemm_config(rows, E, H, 1088, fp8, kernel="gluon_small", gemm1=False)
-        assert not halves.wide and halves.block_rows == 128 and halves.sub_tiles == 2 and halves.pair
+        # its ring needs 3 K steps per tile: I = 128 (e.g. I = 1024 at 8-way tensor parallelism) takes the halves
+        for inter, wide2 in ((1088, False), (128, False), (256, True)):
+            g2i = gemm_config(rows, E, H, inter, fp8, kernel="gluon_small", gemm1=False)
+            assert g2i.wide is wide2 and g2i.block_rows * g2i.sub_tiles == WIDE_ROWS
+            if not wide2:
+                assert g2i.block_rows == 128 and g2i.sub_tiles == 2 and g2i.pair
+        # tiles it cannot take: 5 stages (with its output staging past the shared memory), 2, 128-K stages
+        for bad in ({"num_stages": 5}, {"num_stages": 2}, {"block_k": 128}):
+            with pytest.raises(ValueError, match="the wide GEMM2"):
+                gemm_config(rows, E, H, 1024, fp8, bad, kernel="gluon_small", gemm1=False)
         # an explicit tile height wins
         assert not gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128}, kernel="gluon_small", gemm1=True).wide
     with pytest.raises(ValueError, match="wide"):

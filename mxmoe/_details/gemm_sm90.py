@@ -184,6 +184,24 @@ def _tile_routes(routes_ptr, slots, BT: gl.constexpr, DIRECT: gl.constexpr):
 
 
 @gluon.jit
+def _weight_pointers(w_ptr, w_row0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, half_rows=0,
+                     NH: gl.constexpr = 1):
+    """The packed-weight half of ``_copy_pointers``: sources [NH BM, BK/2] of the first K step, and the row stride."""
+    NC: gl.constexpr = BK // 32
+    PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
+    row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
+    pm = gl.arange(0, NH * BM, layout=gl.SliceLayout(1, PL))
+    pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
+    # row block (pm // 64), unit (pk // U) of 64 rows x U bytes, row in the block, byte
+    first = w_row0 + (pm // 64) * 64
+    if NH == 2:
+        first = w_row0 + (pm // BM) * half_rows + ((pm % BM) // 64) * 64
+    w_ptrs = (w_ptr + (first.to(gl.int64) * row_bytes + (pm % 64) * U)[:, None]
+              + (pk + (pk // U) * (64 * U - U))[None, :])
+    return w_ptrs, row_bytes
+
+
+@gluon.jit
 def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
                    GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, U: gl.constexpr,
                    DIRECT: gl.constexpr = False, half_rows=0, NH: gl.constexpr = 1):
@@ -194,20 +212,10 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
     (``prepare.to_row_blocks``; ``w_row0`` and the rows per expert are multiples of 64): a step's [64, BK/2]
     bytes are one contiguous piece where BK/2 >= U (``_issue_stage`` adds the step's offset). ``NH`` = 2: the
     packed rows of both halves ([2 BM, BK/2], the second ``half_rows`` rows after the first), for one copy."""
-    NC: gl.constexpr = BK // 32
-    PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
     EPV: gl.constexpr = 128 // a_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-B copy
     CPR: gl.constexpr = BK // EPV
     AL: gl.constexpr = gl.BlockedLayout([1, EPV], [32 // CPR, CPR], [gl.num_warps(), 1], [1, 0])
-    row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
-    pm = gl.arange(0, NH * BM, layout=gl.SliceLayout(1, PL))
-    pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
-    # row block (pm // 64), unit (pk // U) of 64 rows x U bytes, row in the block, byte
-    first = w_row0 + (pm // 64) * 64
-    if NH == 2:
-        first = w_row0 + (pm // BM) * half_rows + ((pm % BM) // 64) * 64
-    w_ptrs = (w_ptr + (first.to(gl.int64) * row_bytes + (pm % 64) * U)[:, None]
-              + (pk + (pk // U) * (64 * U - U))[None, :])
+    w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, half_rows, NH)
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
     routes = _tile_routes(routes_ptr, slots, BT, DIRECT)
     ok = routes >= 0
@@ -627,7 +635,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
     the first stages' weight copies go out before the wait for the previous kernel (whose output the
-    activation rows are), the rest after it. ``ACT_ROWS`` > 0 (the wide tiles): the activation ring is shared with
+    activation rows are), the rest after it. ``ACT_ROWS`` > 0 (the wide GEMM1): the activation ring is shared with
     another warpgroup; this one copies its rows ``ACT_ROW0 .. + ACT_ROWS`` (``loaded`` counts both warpgroups'
     threads) and a slot is refilled once both arrived on its ``consumed`` barrier (their MMAs on it completed)."""
     NB: gl.constexpr = BK // 32
@@ -926,8 +934,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, BT)
     w_row0 += HALF * BM
-    w_ptrs, a_unused, ok_unused, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, 0, w_row0,
-                                                            K, False, BM, R, BK, U)
+    w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U)
     a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
     for j in gl.static_range(S - 1):
         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U,
@@ -956,15 +963,14 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         if HAS_GSCALE:
             gs = gl.load(gscale_ptr + expert)
         e_weights = gl.zeros([BT], gl.float32, EL)
-        # the next tile (this one again where it is the last): copy pointers, scale row, row references (used at the
-        # end of this tile), its slots' routes; the expert of the one after it
+        # the next tile (the grid's last tile again where there is none): copy pointers, scale row, row references
+        # (used at the end of this tile), its slots' routes; the expert of the one after it
         has_next = tile + stride < end
         nt = gl.minimum(tile + stride, end - 1)
         expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
         w_row0_n += HALF * BM
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
-        w_ptrs_n, a_unused_n, ok_unused_n, rb_unused_n = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr,
-                                                                        slot0_n, 0, w_row0_n, K, False, BM, R, BK, U)
+        w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
         a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
         w_rows_n = (s_ptr + (w_row0_n + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
@@ -1032,7 +1038,6 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         expert = expert_n
         n0 = n0_n
         w_row0 = w_row0_n
-        slot0 = slot0_n
         w_ptrs = w_ptrs_n
         a_ptrs = a_ptrs_n
         w_rows = w_rows_n

@@ -23,7 +23,7 @@ from .gemm import moe_gemm_kernel
 from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
-WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMM1 (``GemmConfig.wide``)
+WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
 WIDE_FROM = 132  # routed rows per expert above which W4A16 takes them (gemm_config)
 WIDE_GEMM2 = True  # GEMM2 on the wide tiles themselves (persistent), else on their 128-row halves
 PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
@@ -150,14 +150,15 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             bt = WIDE_ROWS
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                    k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
-        if bt == WIDE_ROWS:  # wide route tiles: GEMM1 on two warpgroups, GEMM2 on their 128-row halves
+        if bt == WIDE_ROWS:  # wide route tiles: both GEMMs on two warpgroups (GEMM2 persistent), or GEMM2 on halves
             # GEMM1 on 5 stages (the sums meet over the ring): H200 T=8192 1.935 -> 1.855 ms, 6144 1.885 -> 1.721 (6:
             # 1.869 / 1.767); on a Triton other than the validated one 6 (its shared-memory views must cover the
             # whole ring: an even number of stages)
             if gemm1:
                 cfg.update(wide=True, maxnreg=232, num_stages=5 if gluon_validated(triton.__version__) else 6)
-            elif WIDE_GEMM2 and k % 128 == 0:
-                # persistent, two warpgroups of one 64 x 256 chain each (``gemm_sm90._wide_gemm2``)
+            elif WIDE_GEMM2 and k % 128 == 0 and k // 64 >= 3:
+                # persistent, two warpgroups of one 64 x 256 chain each (``gemm_sm90._wide_gemm2``); its ring needs
+                # 3 K steps (4 stages) per tile, else (I = 128, e.g. at 8-way tensor parallelism) the halves
                 cfg.update(wide=True, maxnreg=255, num_stages=4)
             else:
                 cfg.update(block_rows=128, sub_tiles=2)
@@ -223,9 +224,12 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("pair is for GEMM2")
         if cfg["wide"] and not (not fp8 and cfg["block_rows"] == 256 and cfg["k_split"] == 1 and cfg["k_parts"] == 1):
             raise ValueError("wide is for W4A16 on 256-row tiles")
-        if cfg["wide"] and not gemm1 and (cfg["pair"] or not cfg["scale_words"] or n % 128
+        if cfg["wide"] and not gemm1 and (cfg["pair"] or not cfg["scale_words"] or n % 128 or cfg["block_k"] != 64
+                                          or cfg["num_stages"] not in (3, 4)
                                           or k // cfg["block_k"] < cfg["num_stages"] - 1):
-            raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair and num_stages - 1 K steps")
+            # (5 stages with its output staging exceed the shared memory)
+            raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair, block_k=64, 3 or 4 stages and "
+                             "num_stages - 1 K steps")
         if n % (cfg["block_m"] * (2 if cfg["pair"] else 1)):
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
                              f"(block_m, twice that with pair)")
@@ -444,8 +448,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
-            if cfg.wide and not gemm1:  # persistent: at most one program per SM
-                grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
+            if cfg.wide and not gemm1:  # persistent: at most one program per SM (its tiles: 2 * block_m columns each)
+                grid = (min(n // (2 * cfg.block_m) * grid[1], _sm_count(out.device)),)
             pdl = _pdl(out.device, kernel_arg=False)
             extra.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
             # the direct path's arguments, placeholders without it (the kernel takes them always)

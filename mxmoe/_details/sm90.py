@@ -156,7 +156,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
     ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
     Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2 on their
-    128-row halves), and at its first rows also
+    128-row halves and the wide GEMM2 at I = 256), and at its first rows also
     with per-step scale-byte
     loads (the form for K % 128 != 0), with the decode K split (two warpgroups) and, W4A16, without a route pack
     (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``)."""
@@ -170,11 +170,16 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", small_rows[0], fp8, dict(k_split=2, maxnreg=128), False) for fp8 in (False, True)]
     cases += [("gluon_small", small_rows[0], False, {}, True)]
     cases += [("gluon_small", small_rows[0], False, dict(k_split=1, maxnreg=0, k_parts=2), True)]  # GEMM1 only
-    # GEMM2 on the wide tiles' 128-row halves (where I % 128 != 0), GEMM2 only
+    # GEMM2 on the wide tiles' 128-row halves (the form where I % 128 != 0, here at this I), GEMM2 only
     cases += [("gluon_small", small_rows[-1], False, dict(block_rows=128, sub_tiles=2), False)]
+    # the wide GEMM2 on 4 K steps per tile (I = 256: the next tile's copies start at its second step), GEMM2 only
+    cases += [("gluon_small", small_rows[-1], False, dict(intermediate=256), False)]
     for kernel, r, fp8, override, direct in cases:
-        for gemm1 in ((True, ) if "k_parts" in override else (False, ) if "sub_tiles" in override else (True, False)):
-            n, k = (I, H) if gemm1 else (H, I)
+        override = dict(override)
+        inter = override.pop("intermediate", I)
+        gemm2_only = "sub_tiles" in override or inter != I
+        for gemm1 in ((True, ) if "k_parts" in override else (False, ) if gemm2_only else (True, False)):
+            n, k = (inter, H) if gemm1 else (H, inter)
             # the direct decode case as launched: GEMM1 with the K split of a one-token grid
             cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1, sm_count=132 if direct else 0)
             rep = report(compile_gemm(gemm1, fp8, cfg, direct=direct))
