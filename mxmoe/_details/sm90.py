@@ -48,9 +48,11 @@ def _ptxas() -> str:
 
 
 def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
-                 direct: bool = False):
+                 direct: bool = False, out_i64: bool = False, pdl: bool = True):
     """``triton.compile`` the GEMM template (``cfg.kernel``: plain Triton or Gluon) for sm_90a; ``direct``: the
-    small-tile kernel without a route pack (``launch.direct_routes``), with an expert map."""
+    small-tile kernel without a route pack (``launch.direct_routes``), with an expert map; ``out_i64``: the Gluon
+    kernels' 64-bit output offsets (outputs of 2**31 elements or more); ``pdl``: the small-tile kernel as launched
+    with programmatic dependent launch (the launch's default on sm90)."""
     a_ty = "*fp8e4nv" if fp8 else "*bf16"
     out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
     sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32",
@@ -68,12 +70,12 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
 
         from .launch import _gluon_kernel
         kernel, source = _gluon_kernel(cfg.kernel), GluonASTSource
-        const.update(OUT_I64=False)
+        const.update(OUT_I64=out_i64)
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":  # as launched on sm90 (programmatic dependent launch)
             from .launch import small_kernel_constexprs
-            const.update(small_kernel_constexprs(cfg, gemm1, pdl=True))
+            const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
             sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
                        sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32")
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
@@ -156,7 +158,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
     ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
     Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2 on their
-    128-row halves and the wide GEMM2 at I = 256), and at its first rows also
+    128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL), and at its first rows also
     with per-step scale-byte
     loads (the form for K % 128 != 0), with the decode K split (two warpgroups) and, W4A16, without a route pack
     (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``)."""
@@ -172,17 +174,20 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", small_rows[0], False, dict(k_split=1, maxnreg=0, k_parts=2), True)]  # GEMM1 only
     # GEMM2 on the wide tiles' 128-row halves (the form where I % 128 != 0, here at this I), GEMM2 only
     cases += [("gluon_small", small_rows[-1], False, dict(block_rows=128, sub_tiles=2), False)]
-    # the wide GEMM2 on 4 K steps per tile (I = 256: the next tile's copies start at its second step), GEMM2 only
+    # the wide GEMM2 on 4 K steps per tile (I = 256: the next tile's copies start at its second step), and with 64-bit
+    # output offsets without programmatic dependent launch; GEMM2 only
     cases += [("gluon_small", small_rows[-1], False, dict(intermediate=256), False)]
+    cases += [("gluon_small", small_rows[-1], False, dict(out_i64=True, pdl=False), False)]
     for kernel, r, fp8, override, direct in cases:
         override = dict(override)
         inter = override.pop("intermediate", I)
-        gemm2_only = "sub_tiles" in override or inter != I
+        launch_kw = {key: override.pop(key) for key in ("out_i64", "pdl") if key in override}
+        gemm2_only = "sub_tiles" in override or inter != I or launch_kw
         for gemm1 in ((True, ) if "k_parts" in override else (False, ) if gemm2_only else (True, False)):
             n, k = (inter, H) if gemm1 else (H, inter)
             # the direct decode case as launched: GEMM1 with the K split of a one-token grid
             cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1, sm_count=132 if direct else 0)
-            rep = report(compile_gemm(gemm1, fp8, cfg, direct=direct))
+            rep = report(compile_gemm(gemm1, fp8, cfg, direct=direct, **launch_kw))
             out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, direct=direct, config=cfg.__dict__,
                             registers=rep.registers,
                             spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
