@@ -78,6 +78,19 @@ def _fold_ref(ref_ptrs):
 
 
 @gluon.jit
+def _fold_addend(ref):
+    """Per row, the addend of the W4A16 block factors' BF16x2 bits, from the folded reference ``ref`` (``_fold_ref``):
+    (FOLD_REF_MAX + b - ref) * 0x00800080 = b * 0x00800080 + this, one multiply-add per (row, block)."""
+    return _opaque((FOLD_REF_MAX - ref) * 0x00800080)[:, None]
+
+
+@gluon.jit
+def _scale_word_rows(s_ptr, w_row0, rows, K):
+    """Each weight row's scale bytes as 32-bit words (``SCALE_WORDS``: K % 128 == 0, so a row starts 4-byte aligned)."""
+    return (s_ptr + (w_row0 + rows.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+
+
+@gluon.jit
 def _opaque(x):
     """``x`` (int32) through an asm move: the compiler cannot factor it, so that ``b * c + _opaque(d * c)``
     stays one multiply-add instead of becoming ``(b + d) * c``, an add and a multiply."""
@@ -651,15 +664,15 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                                                    half_rows, NH)
 
     # scale bytes, one value per (row, block) of the thread's operand, and W4A16's per-row addend of the block
-    # factors: BF16x2 bits (FOLD_REF_MAX + b - r) * 0x00800080 = b * 0x00800080 + (FOLD_REF_MAX - r) * 0x00800080
+    # factors (``_fold_addend``)
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
     s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
     up_scales = half_rows * (K // 32)
-    fac0_g = _opaque((FOLD_REF_MAX - _fold_ref(ref_ptr + w_row0 + sm)) * 0x00800080)[:, None]
+    fac0_g = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
     fac0_u = fac0_g
     if NH == 2:
-        fac0_u = _opaque((FOLD_REF_MAX - _fold_ref(ref_ptr + w_row0 + half_rows + sm)) * 0x00800080)[:, None]
+        fac0_u = _fold_addend(_fold_ref(ref_ptr + w_row0 + half_rows + sm))
 
     # prologue: stages 0 .. S-2 in flight (with EARLY_WEIGHTS their weights before the wait, the rest after it)
     for j in gl.static_range(NUM_STAGES - 1):
@@ -681,8 +694,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     # memory-instruction queue, docs/perf-notes.md step 10); else NB bytes per row and step. Either is
     # loaded one step (group of steps) before it is used.
     G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
-    w_rows = (s_ptr + (w_row0 + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
-    w_rows += first_step // G
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K) + first_step // G
     up_words = half_rows * (K // 128)
     sc_g = gl.zeros([BM, NB], gl.int32, SC)
     sc_u = sc_g
@@ -943,9 +955,9 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     if EARLY_WEIGHTS:
         for j in gl.static_range(S - 1):
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U, 2, True, HALF * R)
-    w_rows = (s_ptr + (w_row0 + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K)
     nxt_w = gl.load(w_rows)
-    fac0 = _opaque((FOLD_REF_MAX - _fold_ref(ref_ptr + w_row0 + sm)) * 0x00800080)[:, None]
+    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
     mbarrier.wait(loaded.index(0), 0)
@@ -972,7 +984,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
         w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
         a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
-        w_rows_n = (s_ptr + (w_row0_n + sm.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
@@ -1041,7 +1053,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         w_ptrs = w_ptrs_n
         a_ptrs = a_ptrs_n
         w_rows = w_rows_n
-        fac0 = _opaque((FOLD_REF_MAX - gl.minimum(ref_n, FOLD_REF_MAX)) * 0x00800080)[:, None]
+        fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
         expert_n = expert_nn
         e_routes = e_routes_n
     return ()

@@ -437,19 +437,20 @@ class DirectRoutes:
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None):
     tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel() * cfg.sub_tiles
-    grid = (n // (cfg.block_m * (2 if cfg.pair else 1)), tiles, cfg.k_parts)
+    persistent = cfg.kernel == "gluon" or (cfg.wide and not gemm1)  # at most one program per SM, walking the tiles
+    width = cfg.block_m * (2 if cfg.pair or (cfg.wide and not gemm1) else 1)  # output columns per program (tile)
+    grid = (n // width, tiles, cfg.k_parts)
+    if persistent:
+        grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
     else:  # the Gluon kernels (no interpreter form)
         kernel = _gluon_kernel(cfg.kernel)
         extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
-        if cfg.kernel == "gluon":  # persistent: at most one program per SM
-            grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
+        if cfg.kernel == "gluon":
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":
-            if cfg.wide and not gemm1:  # persistent: at most one program per SM (its tiles: 2 * block_m columns each)
-                grid = (min(n // (2 * cfg.block_m) * grid[1], _sm_count(out.device)),)
             pdl = _pdl(out.device, kernel_arg=False)
             extra.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
             # the direct path's arguments, placeholders without it (the kernel takes them always)
