@@ -361,9 +361,9 @@ def test_wide_tiles(kind, ids_dtype, T, monkeypatch):
     """W4A16 on the wide 256-row route tiles (``launch.WIDE_FROM`` lowered so that 700 tokens take them): hot experts
     with several wide tiles, masked routes, partial tiles and tile halves without a row; GEMM2 persistent on the wide
     tiles and on their 128-row halves (``launch.WIDE_GEMM2``); ``four_experts``: 4 route tiles, 128 GEMM2 tiles (on
-    a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile); ``biases_and_global_scales``: both GEMMs' biases
-    and per-expert global scales (the wide GEMM2's epilogue is its own). Against the exact reference and bitwise
-    equal to the 128-row tiles."""
+    a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile);
+    ``biases_and_global_scales``: both GEMMs' biases and per-expert global scales (the wide GEMM2's epilogue is its
+    own). Against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
     from mxmoe._details import launch

@@ -859,8 +859,10 @@ def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
 @gluon.jit
 def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The ``cp.async`` ring of a wide tile's two warpgroups: the shared activation rows, each warpgroup's packed
-    weights, ``loaded`` (every thread of both arrives) and ``consumed`` (both warpgroups' MMAs on the slot completed)."""
-    act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK], gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
+    weights, ``loaded`` (every thread of both arrives) and ``consumed`` (both warpgroups' MMAs on the slot
+    completed)."""
+    act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
+                                    gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
     packed_0 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     packed_1 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -1087,12 +1089,12 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
         gl.warp_specialize([
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act, loaded, consumed,
-                                cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U,
-                                EARLY_WEIGHTS, 0)),
+                                cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
+                                OUT_I64, U, EARLY_WEIGHTS, 0)),
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act, loaded, consumed,
-                                cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U,
-                                EARLY_WEIGHTS, 1)),
+                                cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
+                                OUT_I64, U, EARLY_WEIGHTS, 1)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -1136,8 +1138,8 @@ def moe_gemm_small_kernel(
     splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``.
     ``WIDE`` (W4A16, ``BT`` = 256): GEMM1 ``_wide_tile``, two warpgroups (``SPLIT_REGS`` registers each), the gate
     and up halves; GEMM2 ``_wide_gemm2``, persistent (a 1-D grid of at most one program per SM), two warpgroups of
-    64 output columns each. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows ``t * BT ..`` of
-    tile t // 2, and none where that half holds no routed row."""
+    64 output columns each. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows
+    ``t * BT ..`` of tile t // 2, and none where that half holds no routed row."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
