@@ -904,6 +904,35 @@ def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
 
 
 @gluon.jit
+def _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs,
+                     refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
+                     U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """Ring step ``c`` of a wide GEMM2 warpgroup (``_wide_gemm2_half``), the ``g``-th of its scale word ``cur_w``: the
+    MMA of the codes loaded before (the next step's are loaded while it runs, if ``load_next``), then, if ``refill``,
+    the slot step c - 1 read is refilled (once both warpgroups' MMAs on it completed) with K step ``refill_step`` of
+    ``w_ptrs``/``a_ptrs``."""
+    NB: gl.constexpr = BK // 32
+    R: gl.constexpr = a_ptrs.shape[0]
+    s = c % S
+    # BF16x2 2**(126 + b - r) per (row, block), as in _small_steps
+    f = ((cur_w[:, None] >> (shifts + 8 * g * NB)) & 0xFF) * 0x00800080 + fac0
+    cur = codes
+    if load_next:
+        t = (c + 1) % S
+        mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
+        codes = _fragment_words(packed.index(t), BM, BK, WL)
+    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT), act.index(s).permute((1, 0)), acc, is_async=True)
+    if refill:
+        if c > 0:
+            mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK, U,
+                     0, True, HALF * R)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(consumed.index(s))
+    return codes, acc
+
+
+@gluon.jit
 def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                      out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging, first, end, N,
                      K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr,
@@ -923,6 +952,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     NB: gl.constexpr = BK // 32
     G: gl.constexpr = 4 // NB  # K steps per scale word (scale words: K % 128 == 0)
     S: gl.constexpr = NUM_STAGES
+    TG: gl.constexpr = (S - 1 + G - 1) // G  # scale-word groups of a tile's last S - 1 steps (cp. the K loop)
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     HM: gl.constexpr = _small_mma_layout(BT // 2, False)  # the epilogue's halves
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -990,40 +1020,41 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
-        for jg in range(num_k // G):
+        # the K loop in two: the steps that refill the ring with this tile's steps, then the last TG scale-word groups
+        # (unrolled: which of their refills are the next tile's is known at compile time)
+        n_main = num_k // G - TG
+        for jg in range(n_main):
             cur_w = nxt_w
-            if jg + 1 < num_k // G:
-                nxt_w = gl.load(w_rows + jg + 1)
-            else:
-                nxt_w = gl.load(w_rows_n)
-            if jg == num_k // (2 * G):  # the routes arrived long ago: no wait for them here
+            nxt_w = gl.load(w_rows + jg + 1)
+            if jg == n_main // 2:  # the routes arrived long ago: no wait for them here
                 e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)
             for g in gl.static_range(G):
-                i = jg * G + g
-                s = c % S
-                # BF16x2 2**(126 + b - r) per (row, block), as in _small_steps
-                f = ((cur_w[:, None] >> (shifts + 8 * g * NB)) & 0xFF) * 0x00800080 + fac0
-                cur = codes
-                if (i + 1 < num_k) or has_next:
-                    t = (c + 1) % S
-                    mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
-                    codes = _fragment_words(packed.index(t), BM, BK, WL)
-                acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT), act.index(s).permute((1, 0)), acc,
-                                    is_async=True)
-                # refill the slot step c - 1 read (once both warpgroups' MMAs on it completed) with step c + S - 1:
-                # this tile's, or the next tile's first ones
-                nxt = i + S - 1
-                if (nxt < num_k) or has_next:
-                    if c > 0:
-                        mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
-                    if nxt < num_k:
-                        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, (c + S - 1) % S, nxt, 1,
-                                     BK, U, 0, True, HALF * R)
-                    else:
-                        _issue_stage(packed, act, loaded, w_ptrs_n, a_ptrs_n, None, 0, row_bytes, (c + S - 1) % S,
-                                     nxt - num_k, 1, BK, U, 0, True, HALF * R)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(consumed.index(s))
+                codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
+                                              w_ptrs, a_ptrs, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U,
+                                              HALF, WL, DOT)
+                c += 1
+        if n_main == 0:
+            e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)
+        for tg in gl.static_range(TG):
+            cur_w = nxt_w
+            if tg + 1 < TG:
+                nxt_w = gl.load(w_rows + n_main + tg + 1)
+            else:
+                nxt_w = gl.load(w_rows_n)
+            for g in gl.static_range(G):
+                # the step it refills, from this tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
+                if tg * G + g + S - 1 < TG * G:
+                    codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
+                                                  w_ptrs, a_ptrs, num_k + (tg * G + g + S - 1 - TG * G), row_bytes,
+                                                  True, True, BM, BK, S, U, HALF, WL, DOT)
+                elif tg * G + g + 1 < TG * G:
+                    codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
+                                                  w_ptrs_n, a_ptrs_n, tg * G + g + S - 1 - TG * G, row_bytes, True,
+                                                  has_next, BM, BK, S, U, HALF, WL, DOT)
+                else:  # the tile's last step: the next tile's first codes
+                    codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
+                                                  w_ptrs_n, a_ptrs_n, tg * G + g + S - 1 - TG * G, row_bytes,
+                                                  has_next, has_next, BM, BK, S, U, HALF, WL, DOT)
                 c += 1
         # epilogue: W4A16 row factors (as _times_row_ref), global scale, bias and routing weight (as _epilogue), in
         # two halves of the routed rows, into ``staging``; then the routed rows' 16-B pieces to the output
