@@ -643,25 +643,20 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                  SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
-                 DIRECT: gl.constexpr = False, consumed=None, ACT_ROW0: gl.constexpr = 0, ACT_ROWS: gl.constexpr = 0):
+                 DIRECT: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
     the first stages' weight copies go out before the wait for the previous kernel (whose output the
-    activation rows are), the rest after it. ``ACT_ROWS`` > 0 (the wide GEMM1): the activation ring is shared with
-    another warpgroup; this one copies its rows ``ACT_ROW0 .. + ACT_ROWS`` (``loaded`` counts both warpgroups'
-    threads) and a slot is refilled once both arrived on its ``consumed`` barrier (their MMAs on it completed)."""
+    activation rows are), the rest after it."""
     NB: gl.constexpr = BK // 32
-    SHARED_ACT: gl.constexpr = ACT_ROWS > 0
-    gl.static_assert(not SHARED_ACT or (NH == 1 and not FP8 and NUM_STAGES >= 3))  # (the refill below)
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)  # [BM, NB]: one value per (row, block)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
-    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + ACT_ROW0, top_k,
-                                                   w_row0, K, GEMM1, BM, ACT_ROWS if SHARED_ACT else BT, BK, U, DIRECT,
-                                                   half_rows, NH)
+    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k, w_row0, K,
+                                                   GEMM1, BM, BT, BK, U, DIRECT, half_rows, NH)
 
     # scale bytes, one value per (row, block) of the thread's operand, and W4A16's per-row addend of the block
     # factors (``_fold_addend``)
@@ -678,13 +673,13 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     for j in gl.static_range(NUM_STAGES - 1):
         if j < num_steps:
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK, U,
-                         1 if EARLY_WEIGHTS else 0, True, ACT_ROW0)
+                         1 if EARLY_WEIGHTS else 0, True)
     if EARLY_WEIGHTS:
         _wait_for_previous_kernel()
         for j in gl.static_range(NUM_STAGES - 1):
             if j < num_steps:
                 _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK, U, 2, True, ACT_ROW0)
+                             BK, U, 2, True)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -728,10 +723,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
             i = jg * G + g
             if i < num_steps:
                 s = i % NUM_STAGES
-                # refill the slot the previous step read (its MMA has completed: each step waits for it; a shared
-                # activation ring refills it after this step's MMA went out, once the other warpgroup's completed)
+                # refill the slot the previous step read (its MMA has completed: each step waits for it)
                 nxt = i + NUM_STAGES - 1
-                if nxt < num_steps and not SHARED_ACT:
+                if nxt < num_steps:
                     _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
                                  first_step + nxt, NH, BK, U, 0, True)
                 if SCALE_WORDS:
@@ -782,14 +776,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                         acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
                         acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
                     else:
-                        if SHARED_ACT and nxt < num_steps:
-                            if i > 0:
-                                mbarrier.wait(consumed.index((i - 1) % NUM_STAGES), ((i - 1) // NUM_STAGES) & 1)
-                            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes,
-                                         nxt % NUM_STAGES, first_step + nxt, NH, BK, U, 0, True, ACT_ROW0)
                         acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
-                    if SHARED_ACT:
-                        mbarrier.arrive(consumed.index(s))
     return acc_g, acc_u
 
 
@@ -831,11 +818,35 @@ def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
     in shared memory (over the activation ring, once both warpgroups' MMAs read it) and this warpgroup runs the
     epilogue of routed rows ``HALF * BT/2 ..``."""
     R: gl.constexpr = BT // 2
+    NB: gl.constexpr = BK // 32
+    G: gl.constexpr = 4 // NB  # K steps per scale word
+    gl.static_assert(SCALE_WORDS and NUM_STAGES >= 3)
+    MMA: gl.constexpr = _small_mma_layout(BT, False)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WL: gl.constexpr = _fragment_words_layout(BM, BK)
+    SC: gl.constexpr = gl.SliceLayout(2, WL)
     if HALF == 1:
         _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
-    acc, _ = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                          w_row0 + HALF * N, slot0, 0, K, top_k, 0, K // BK, True, 1, False, BM, BT, BK, NUM_STAGES,
-                          SCALE_WORDS, U, False, False, consumed, HALF * R, R)
+    num_k = K // BK
+    w_row0_h = w_row0 + HALF * N
+    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
+                                                   w_row0_h, K, True, BM, R, BK, U)
+    for j in gl.static_range(NUM_STAGES - 1):
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
+    sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
+    shifts = (8 * gl.arange(0, NB, layout=gl.SliceLayout(0, SC)))[None, :]
+    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0_h + sm))
+    w_rows = _scale_word_rows(s_ptr, w_row0_h, sm, K)
+    nxt_w = gl.load(w_rows)
+    mbarrier.wait(loaded.index(0), 0)
+    codes = _fragment_words(packed.index(0), BM, BK, WL)
+    acc = gl.zeros((BM, BT), gl.float32, MMA)
+    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, 0, 0,
+                                         num_k // G - _wide_tail_groups(BK, NUM_STAGES), w_ptrs, a_ptrs, ok, row_bytes,
+                                         BM, BK, NUM_STAGES, U, HALF, WL, DOT)
+    codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, 0,
+                                         num_k, w_ptrs, a_ptrs, ok, row_bytes, False, None, None, None, None, BM, BK,
+                                         NUM_STAGES, U, HALF, WL, DOT)
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     if (NUM_STAGES * BK) % (2 * BM) == 0:  # the whole ring as FP32 [.., BM, BT]: sums[0] gate, sums[1] up
         sums = act._reinterpret(gl.float32, [NUM_STAGES * BK // (2 * BM), BM, BT], FL)
@@ -846,13 +857,13 @@ def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
     sums.index(HALF).store(acc)
     mbarrier.arrive(stored)
     mbarrier.wait(stored, 0)
-    MMA: gl.constexpr = _small_mma_layout(R, False)
-    g = sums.index(0).slice(HALF * R, R, dim=1).load(MMA)
-    u = sums.index(1).slice(HALF * R, R, dim=1).load(MMA)
-    g, u = _times_row_ref(g, u, ref_ptr, w_row0, N, 2, BM, gl.SliceLayout(1, MMA))
+    HM: gl.constexpr = _small_mma_layout(R, False)  # the epilogue's halves
+    g = sums.index(0).slice(HALF * R, R, dim=1).load(HM)
+    u = sums.index(1).slice(HALF * R, R, dim=1).load(HM)
+    g, u = _times_row_ref(g, u, ref_ptr, w_row0, N, 2, BM, gl.SliceLayout(1, HM))
     _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, topk_weights_ptr,
               expert, w_row0, n0, slot0 + HALF * R, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
-              HAS_GSCALE, BM, R, OUT_I64, MMA)
+              HAS_GSCALE, BM, R, OUT_I64, HM)
     return ()
 
 
@@ -904,15 +915,16 @@ def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
 
 
 @gluon.jit
-def _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs,
-                     refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                     U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
-    """Ring step ``c`` of a wide GEMM2 warpgroup (``_wide_gemm2_half``), the ``g``-th of its scale word ``cur_w``: the
-    MMA of the codes loaded before (the next step's are loaded while it runs, if ``load_next``), then, if ``refill``,
-    the slot step c - 1 read is refilled (once both warpgroups' MMAs on it completed) with K step ``refill_step`` of
-    ``w_ptrs``/``a_ptrs``."""
+def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
+               refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
+               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_half``, ``_wide_gemm2_half``), the ``g``-th of
+    its scale word ``cur_w``: the MMA of the codes loaded before (the next step's are loaded while it runs, if
+    ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both warpgroups' MMAs on it
+    completed: before this step's MMA went out, each would wait for the other's MMA before converting) with K step
+    ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The callers split their K loops so that these
+    conditions are mostly compile-time constants: a runtime test per step costs instructions in every step."""
     NB: gl.constexpr = BK // 32
-    R: gl.constexpr = a_ptrs.shape[0]
     s = c % S
     # BF16x2 2**(126 + b - r) per (row, block), as in _small_steps
     f = ((cur_w[:, None] >> (shifts + 8 * g * NB)) & 0xFF) * 0x00800080 + fac0
@@ -925,11 +937,69 @@ def _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, f
     if refill:
         if c > 0:
             mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
-        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK, U,
-                     0, True, HALF * R)
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK, U, 0,
+                     True, HALF * a_ptrs.shape[0])
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(consumed.index(s))
     return codes, acc
+
+
+@gluon.jit
+def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, jg0, jg1, w_ptrs,
+                     a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
+                     HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """Scale-word groups ``jg0 .. jg1 - 1`` of a wide tile's K loop (ring step ``c0`` = the tile's K step 0), all of
+    whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs the last ones).
+    Returns the codes loaded for the next step, the accumulator and the next scale word."""
+    G: gl.constexpr = 4 // (BK // 32)  # K steps per scale word (scale words: K % 128 == 0)
+    for jg in range(jg0, jg1):
+        cur_w = nxt_w
+        nxt_w = gl.load(w_rows + jg + 1)
+        for g in gl.static_range(G):
+            codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c0 + jg * G + g, g,
+                                    w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
+                                    WL, DOT)
+    return codes, acc, nxt_w
+
+
+@gluon.jit
+def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, num_k, w_ptrs, a_ptrs,
+                     ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
+                     S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """The last ``_wide_tail_groups`` scale-word groups of a wide tile's K loop, unrolled: which of their steps refill
+    the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
+    program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
+    G: gl.constexpr = 4 // (BK // 32)
+    TG: gl.constexpr = _wide_tail_groups(BK, S)
+    for tg in gl.static_range(TG):
+        cur_w = nxt_w
+        if tg + 1 < TG:
+            nxt_w = gl.load(w_rows + num_k // G - TG + tg + 1)
+        elif w_rows_n is not None:
+            nxt_w = gl.load(w_rows_n)
+        for g in gl.static_range(G):
+            c = c0 + num_k - TG * G + tg * G + g
+            # the step it refills, from the tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
+            if tg * G + g + S - 1 < TG * G:
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g, w_ptrs,
+                                        a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
+                                        BK, S, U, HALF, WL, DOT)
+            elif tg * G + g + 1 < TG * G:
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g, w_ptrs_n,
+                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
+                                        S, U, HALF, WL, DOT)
+            else:  # the tile's last step: the next tile's first codes
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g, w_ptrs_n,
+                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
+                                        BK, S, U, HALF, WL, DOT)
+    return codes, acc, nxt_w
+
+
+@gluon.constexpr_function
+def _wide_tail_groups(BK, S):
+    """Scale-word groups (4 K32 blocks each) holding a wide tile's last S - 1 K steps."""
+    G = 4 // (BK // 32)
+    return (S - 1 + G - 1) // G
 
 
 @gluon.jit
@@ -944,15 +1014,14 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     tiles: a tile's last steps refill it with the next tile's first steps, whose copies land during the epilogue.
 
     The epilogue holds up the tensor core (both warpgroups reach it together), so it does little: what it reads from
-    global memory is loaded a tile or half a tile ahead (each tile's expert, row factors, each slot's route and routing
-    weight); routes and weights go through ``cols`` (by tile parity; in the accumulator's layout they would take 128
-    registers), and the BF16 results through ``staging`` [BT, BM], so that each thread stores whole 16-B pieces of
-    output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
+    global memory is loaded a tile ahead or at the tile's start (each tile's expert, row factors, each slot's route and
+    routing weight); routes and weights go through ``cols`` (by tile parity; in the accumulator's layout they would take
+    128 registers), and the BF16 results through ``staging`` [BT, BM], so that each thread stores whole 16-B pieces
+    of output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
     R: gl.constexpr = BT // 2
     NB: gl.constexpr = BK // 32
     G: gl.constexpr = 4 // NB  # K steps per scale word (scale words: K % 128 == 0)
     S: gl.constexpr = NUM_STAGES
-    TG: gl.constexpr = (S - 1 + G - 1) // G  # scale-word groups of a tile's last S - 1 steps (cp. the K loop)
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     HM: gl.constexpr = _small_mma_layout(BT // 2, False)  # the epilogue's halves
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -997,8 +1066,8 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     c = 0  # ring steps so far
     n_tiles = 0  # tiles so far
     for tile in range(first, end, stride):
-        # loaded now, used at the epilogue: the row references (each slot's route was loaded a tile ahead, its routing
-        # weight mid-tile: ptxas computes the weight's address where the route arrives)
+        # loaded now, used at the epilogue: the row references, the routing weights (each slot's route was loaded a
+        # tile ahead: ptxas computes the weight's address where the route arrives)
         row_ref = gl.load(ref_ptr + w_row0 + offs_r)
         bias = gl.zeros([BM], gl.float32, ROWS)
         if HAS_BIAS:
@@ -1006,7 +1075,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         gs = 1.0
         if HAS_GSCALE:
             gs = gl.load(gscale_ptr + expert)
-        e_weights = gl.zeros([BT], gl.float32, EL)
+        e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)  # (its routes: a tile ago)
         # the next tile (the grid's last tile again where there is none): copy pointers, scale row, row references
         # (used at the end of this tile), its slots' routes; the expert of the one after it
         has_next = tile + stride < end
@@ -1020,42 +1089,14 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
-        # the K loop in two: the steps that refill the ring with this tile's steps, then the last TG scale-word groups
-        # (unrolled: which of their refills are the next tile's is known at compile time)
-        n_main = num_k // G - TG
-        for jg in range(n_main):
-            cur_w = nxt_w
-            nxt_w = gl.load(w_rows + jg + 1)
-            if jg == n_main // 2:  # the routes arrived long ago: no wait for them here
-                e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)
-            for g in gl.static_range(G):
-                codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
-                                              w_ptrs, a_ptrs, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U,
-                                              HALF, WL, DOT)
-                c += 1
-        if n_main == 0:
-            e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)
-        for tg in gl.static_range(TG):
-            cur_w = nxt_w
-            if tg + 1 < TG:
-                nxt_w = gl.load(w_rows + n_main + tg + 1)
-            else:
-                nxt_w = gl.load(w_rows_n)
-            for g in gl.static_range(G):
-                # the step it refills, from this tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
-                if tg * G + g + S - 1 < TG * G:
-                    codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
-                                                  w_ptrs, a_ptrs, num_k + (tg * G + g + S - 1 - TG * G), row_bytes,
-                                                  True, True, BM, BK, S, U, HALF, WL, DOT)
-                elif tg * G + g + 1 < TG * G:
-                    codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
-                                                  w_ptrs_n, a_ptrs_n, tg * G + g + S - 1 - TG * G, row_bytes, True,
-                                                  has_next, BM, BK, S, U, HALF, WL, DOT)
-                else:  # the tile's last step: the next tile's first codes
-                    codes, acc = _wide_gemm2_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g,
-                                                  w_ptrs_n, a_ptrs_n, tg * G + g + S - 1 - TG * G, row_bytes,
-                                                  has_next, has_next, BM, BK, S, U, HALF, WL, DOT)
-                c += 1
+        # the K loop: the steps refilling with this tile's steps, then the last ones
+        codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+                                             0, num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, None, row_bytes,
+                                             BM, BK, S, U, HALF, WL, DOT)
+        codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+                                             num_k, w_ptrs, a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n,
+                                             a_ptrs_n, None, BM, BK, S, U, HALF, WL, DOT)
+        c += num_k
         # epilogue: W4A16 row factors (as _times_row_ref), global scale, bias and routing weight (as _epilogue), in
         # two halves of the routed rows, into ``staging``; then the routed rows' 16-B pieces to the output
         p = n_tiles & 1
