@@ -356,19 +356,23 @@ def test_gluon_kernel_matches_plain_kernel(shape, T, kind, precision, monkeypatc
 @gluon_only
 @pytest.mark.parametrize("kind,ids_dtype,T", [("hot", torch.int32, 700), ("masked", torch.int64, 700),
                                               ("uniform", torch.int32, 700), ("four_experts", torch.int64, 3),
-                                              ("biases_and_global_scales", torch.int32, 700)])
+                                              ("biases_and_global_scales", torch.int32, 700),
+                                              ("short_k", torch.int32, 700)])
 def test_wide_tiles(kind, ids_dtype, T, monkeypatch):
     """W4A16 on the wide 256-row route tiles (``launch.WIDE_FROM`` lowered so that 700 tokens take them): hot experts
     with several wide tiles, masked routes, partial tiles and tile halves without a row; GEMM2 persistent on the wide
     tiles and on their 128-row halves (``launch.WIDE_GEMM2``); ``four_experts``: 4 route tiles, 128 GEMM2 tiles (on
     a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile);
     ``biases_and_global_scales``: both GEMMs' biases and per-expert global scales (the wide GEMM2's epilogue is its
-    own). Against the exact reference and bitwise equal to the 128-row tiles."""
+    own); ``short_k``: H = WIDE_MIN_K and I = 256, the fewest K steps (GEMM1 one scale word before its unrolled last
+    steps, GEMM2 none). Against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
     from mxmoe._details import launch
 
     E, H, I, top_k = SHAPES["ref"]
+    if kind == "short_k":
+        E, H, I = 16, launch.WIDE_MIN_K, 256
     ex = gpu_experts(E, H, I, biases=kind == "biases_and_global_scales")
     if kind == "biases_and_global_scales":
         g = torch.Generator(device="cuda").manual_seed(11)

@@ -346,3 +346,23 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
         assert not gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128}, kernel="gluon_small", gemm1=True).wide
     with pytest.raises(ValueError, match="wide"):
         gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128, "wide": True}, kernel="gluon_small", gemm1=True)
+
+
+def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
+    """The wide kernels unroll a tile's last num_stages - 1 K steps (whole scale words): H below WIDE_MIN_K keeps
+    the 128-row tiles, and an explicit wide config with fewer K steps is refused."""
+    from mxmoe._details.launch import WIDE_MIN_K, gemm_config, wide_tail_steps
+
+    assert wide_tail_steps(64, 5) == 4 and wide_tail_steps(64, 6) == 6 and wide_tail_steps(64, 4) == 4
+    assert wide_tail_steps(64, 3) == 2 and wide_tail_steps(128, 5) == 4
+    rows = 228 * 288
+    for H in (128, 256, WIDE_MIN_K):
+        g1 = gemm_config(rows, 288, 1024, H, False, kernel="gluon_small", gemm1=True)
+        g2 = gemm_config(rows, 288, H, 1024, False, kernel="gluon_small", gemm1=False)
+        assert g1.wide is (H >= WIDE_MIN_K) and g1.block_rows * g1.sub_tiles == g2.block_rows * g2.sub_tiles
+    wide = {"block_rows": 256, "wide": True, "maxnreg": 232}
+    assert gemm_config(rows, 288, 1024, 256, False, dict(wide, num_stages=5), kernel="gluon_small", gemm1=True).wide
+    with pytest.raises(ValueError, match="the wide GEMM1"):
+        gemm_config(rows, 288, 1024, 256, False, dict(wide, num_stages=6), kernel="gluon_small", gemm1=True)
+    with pytest.raises(ValueError, match="the wide GEMM1"):
+        gemm_config(rows, 288, 1024, 128, False, dict(wide, num_stages=5), kernel="gluon_small", gemm1=True)

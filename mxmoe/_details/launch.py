@@ -26,6 +26,7 @@ TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
 WIDE_FROM = 132  # routed rows per expert above which W4A16 takes them (gemm_config)
 WIDE_GEMM2 = True  # GEMM2 on the wide tiles themselves (persistent), else on their 128-row halves
+WIDE_MIN_K = 384  # the smallest H of the wide tiles (6 K steps of 64: the wide GEMM1's unrolled last steps at 6 stages)
 PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
 # GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
@@ -128,6 +129,13 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_f
     return TILE_ROWS[-1]
 
 
+def wide_tail_steps(block_k: int, num_stages: int) -> int:
+    """K steps a wide tile unrolls at its end (``gemm_sm90._wide_tail_steps``): its last num_stages - 1, rounded up to
+    whole scale words (128 K each)."""
+    per_word = 128 // block_k
+    return per_word * -(-(num_stages - 1) // per_word)
+
+
 def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
                 kernel: str = "triton", gemm1: bool = True, sm_count: int = 0) -> GemmConfig:
     override = dict(override or {})
@@ -146,7 +154,9 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # fit (I % 128 == 0), else on their 128-row halves; GEMM2's N (= H, GEMM1's K) % 128 == 0. H200, reference
         # shape, the call against 128-row tiles: T=4608 (128 rows per expert) +11.7 %, 4864 (135) -6.4 %, 5120 (142)
         # -12.5 %, 6144 -10 %, 8192 -9.8 % (docs/perf-notes.md step 21)
-        if not (chosen_bt or fp8) and rows > WIDE_FROM * num_experts and (k if gemm1 else n) % 128 == 0:
+        # (and H >= WIDE_MIN_K: the wide GEMM1 unrolls its last num_stages - 1 K steps, at whole scale words)
+        hidden = k if gemm1 else n
+        if not (chosen_bt or fp8) and rows > WIDE_FROM * num_experts and hidden % 128 == 0 and hidden >= WIDE_MIN_K:
             bt = WIDE_ROWS
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                    k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
@@ -226,10 +236,14 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("wide is for W4A16 on 256-row tiles")
         if cfg["wide"] and not gemm1 and (cfg["pair"] or not cfg["scale_words"] or n % 128 or cfg["block_k"] != 64
                                           or cfg["num_stages"] not in (3, 4)
-                                          or k // cfg["block_k"] < cfg["num_stages"] - 1):
+                                          or k // cfg["block_k"] < wide_tail_steps(cfg["block_k"], cfg["num_stages"])):
             # (5 stages with its output staging exceed the shared memory)
             raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair, block_k=64, 3 or 4 stages and "
-                             "num_stages - 1 K steps")
+                             "at least its unrolled last K steps")
+        if cfg["wide"] and gemm1 and (not cfg["scale_words"]
+                                      or k // cfg["block_k"] < wide_tail_steps(cfg["block_k"], cfg["num_stages"])):
+            raise ValueError("the wide GEMM1 takes scale_words and at least its unrolled last K steps "
+                             "(num_stages - 1, rounded up to whole scale words)")
         if n % (cfg["block_m"] * (2 if cfg["pair"] else 1)):
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
                              f"(block_m, twice that with pair)")
