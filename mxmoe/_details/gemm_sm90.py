@@ -997,9 +997,9 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, s
 
 @gluon.constexpr_function
 def _wide_tail_groups(BK, S):
-    """Scale-word groups (4 K32 blocks each) holding a wide tile's last S - 1 K steps."""
-    G = 4 // (BK // 32)
-    return (S - 1 + G - 1) // G
+    """Scale-word groups (128 K each) of a wide tile's unrolled last steps (``launch.wide_tail_steps``)."""
+    from .launch import wide_tail_steps  # (launch imports this module lazily)
+    return wide_tail_steps(BK, S) // (128 // BK)
 
 
 @gluon.jit

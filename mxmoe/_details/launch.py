@@ -26,7 +26,6 @@ TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
 WIDE_FROM = 132  # routed rows per expert above which W4A16 takes them (gemm_config)
 WIDE_GEMM2 = True  # GEMM2 on the wide tiles themselves (persistent), else on their 128-row halves
-WIDE_MIN_K = 384  # the smallest H of the wide tiles (6 K steps of 64: the wide GEMM1's unrolled last steps at 6 stages)
 PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
 # GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
@@ -136,6 +135,9 @@ def wide_tail_steps(block_k: int, num_stages: int) -> int:
     return per_word * -(-(num_stages - 1) // per_word)
 
 
+WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles: the wide GEMM1's unrolled steps at 6 stages
+
+
 def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
                 kernel: str = "triton", gemm1: bool = True, sm_count: int = 0) -> GemmConfig:
     override = dict(override or {})
@@ -166,9 +168,9 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             # whole ring: an even number of stages)
             if gemm1:
                 cfg.update(wide=True, maxnreg=232, num_stages=5 if gluon_validated(triton.__version__) else 6)
-            elif WIDE_GEMM2 and k % 128 == 0 and k // 64 >= 3:
-                # persistent, two warpgroups of one 64 x 256 chain each (``gemm_sm90._wide_gemm2``); its ring needs
-                # 3 K steps (4 stages) per tile, else (I = 128, e.g. at 8-way tensor parallelism) the halves
+            elif WIDE_GEMM2 and k % 128 == 0 and k // 64 >= wide_tail_steps(64, 4):
+                # persistent, two warpgroups of one 64 x 256 chain each (``gemm_sm90._wide_gemm2``); it unrolls a
+                # tile's last 4 K steps, else (I = 128, e.g. at 8-way tensor parallelism) the halves
                 cfg.update(wide=True, maxnreg=255, num_stages=4)
             else:
                 cfg.update(block_rows=128, sub_tiles=2)
@@ -234,14 +236,15 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("pair is for GEMM2")
         if cfg["wide"] and not (not fp8 and cfg["block_rows"] == 256 and cfg["k_split"] == 1 and cfg["k_parts"] == 1):
             raise ValueError("wide is for W4A16 on 256-row tiles")
-        if cfg["wide"] and not gemm1 and (cfg["pair"] or not cfg["scale_words"] or n % 128 or cfg["block_k"] != 64
-                                          or cfg["num_stages"] not in (3, 4)
-                                          or k // cfg["block_k"] < wide_tail_steps(cfg["block_k"], cfg["num_stages"])):
+        # both wide kernels: scale words, and at least the K steps they unroll at a tile's end
+        wide_short = cfg["wide"] and (not cfg["scale_words"]
+                                      or k // cfg["block_k"] < wide_tail_steps(cfg["block_k"], cfg["num_stages"]))
+        if cfg["wide"] and not gemm1 and (wide_short or cfg["pair"] or n % 128 or cfg["block_k"] != 64
+                                          or cfg["num_stages"] not in (3, 4)):
             # (5 stages with its output staging exceed the shared memory)
             raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair, block_k=64, 3 or 4 stages and "
                              "at least its unrolled last K steps")
-        if cfg["wide"] and gemm1 and (not cfg["scale_words"]
-                                      or k // cfg["block_k"] < wide_tail_steps(cfg["block_k"], cfg["num_stages"])):
+        if gemm1 and wide_short:
             raise ValueError("the wide GEMM1 takes scale_words and at least its unrolled last K steps "
                              "(num_stages - 1, rounded up to whole scale words)")
         if n % (cfg["block_m"] * (2 if cfg["pair"] else 1)):
