@@ -366,3 +366,27 @@ def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
         gemm_config(rows, 288, 1024, 256, False, dict(wide, num_stages=6), kernel="gluon_small", gemm1=True)
     with pytest.raises(ValueError, match="the wide GEMM1"):
         gemm_config(rows, 288, 1024, 128, False, dict(wide, num_stages=5), kernel="gluon_small", gemm1=True)
+
+
+def test_small_w4a16_tiles_split_their_k_loop_from_16_steps():
+    """W4A16 on small tiles splits its K loop (an untested main part, then the tested last steps) where each warpgroup
+    runs at least SPLIT_LOOP_MIN_STEPS K steps; W4A8 and the wide tiles never (they are refused)."""
+    from mxmoe._details.launch import SPLIT_LOOP_MIN_STEPS, gemm_config
+
+    def cfg(rows, n, k, fp8=False, gemm1=True, override=None):
+        return gemm_config(rows, 288, n, k, fp8, override, kernel="gluon_small", gemm1=gemm1, sm_count=132)
+
+    assert SPLIT_LOOP_MIN_STEPS == 16
+    for rows in (8, 128, 8192, 16384, 32768):
+        g1, g2 = cfg(rows, 1024, 4096), cfg(rows, 4096, 1024, gemm1=False)
+        assert g1.split_loop and (g1.k_split == 2 or g1.block_k * 16 <= 4096)
+        assert g2.split_loop is (1024 // g2.block_k >= 16)  # 16-row GEMM2 tiles take 128-K steps: 8, not split
+        assert not cfg(rows, 1024, 4096, fp8=True).split_loop
+        assert not cfg(rows, 4096, 1024, fp8=True, gemm1=False).split_loop
+    assert not cfg(128, 4096, 1024, gemm1=False).split_loop  # 16-row tiles, 8 steps of 128 K
+    assert cfg(8192, 4096, 1024, gemm1=False).split_loop  # 32-row tiles, 16 steps of 64 K
+    assert not cfg(8, 1024, 512).split_loop  # decode: K split over two warpgroups of 4 steps each
+    assert not cfg(65536, 1024, 4096).split_loop and cfg(65536, 1024, 4096).wide  # the wide tiles split their own
+    assert cfg(8192, 4096, 1024, gemm1=False, override={"split_loop": False}).split_loop is False
+    with pytest.raises(ValueError, match="split_loop"):
+        cfg(8192, 1024, 4096, fp8=True, override={"split_loop": True})

@@ -643,7 +643,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                  SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
-                 DIRECT: gl.constexpr = False):
+                 DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
@@ -711,72 +711,77 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
         codes_g = _fragment_words(packed.index(0), BM, BK, WL)
         if NH == 2:
             codes_u = _fragment_words(packed.index(1), BM, BK, WL)
-    for jg in range(gl.cdiv(num_steps, G)):
-        cur_wg = nxt_wg
-        cur_wu = nxt_wu
-        if SCALE_WORDS:
-            if (jg + 1) * G < num_steps:
-                nxt_wg = gl.load(w_rows + jg + 1)
-                if NH == 2:
-                    nxt_wu = gl.load(w_rows + up_words + jg + 1)
-        for g in gl.static_range(G):
-            i = jg * G + g
-            if i < num_steps:
-                s = i % NUM_STAGES
-                # refill the slot the previous step read (its MMA has completed: each step waits for it)
-                nxt = i + NUM_STAGES - 1
-                if nxt < num_steps:
-                    _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
-                                 first_step + nxt, NH, BK, U, 0, True)
-                if SCALE_WORDS:
-                    shift = (8 * (g * NB + sb))[None, :]
-                    sc_g = (cur_wg[:, None] >> shift) & 0xFF
-                    sc_u = (cur_wu[:, None] >> shift) & 0xFF
-                cur_sg = sc_g
-                cur_su = sc_u
-                if not SCALE_WORDS and i + 1 < num_steps:
-                    sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
+    # ``SPLIT_LOOP``: the K loop in two parts, first the scale-word groups all of whose steps refill the ring, load the
+    # next codes and the next scale word within these steps (no per-step tests: each costs instructions in every step),
+    # then the last ones (at most NUM_STAGES - 1 steps, rounded up to a group), tested; else the tested loop alone
+    n_main = gl.maximum((num_steps - NUM_STAGES + 1) // G, 0) if SPLIT_LOOP else 0
+    for TAIL in gl.static_range(0 if SPLIT_LOOP else 1, 2):
+        for jg in range(0 if TAIL == 0 else n_main, n_main if TAIL == 0 else gl.cdiv(num_steps, G)):
+            cur_wg = nxt_wg
+            cur_wu = nxt_wu
+            if SCALE_WORDS:
+                if TAIL == 0 or (jg + 1) * G < num_steps:
+                    nxt_wg = gl.load(w_rows + jg + 1)
                     if NH == 2:
-                        sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
-                if FP8:
-                    mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-                    ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
-                    ops_u = ops_g
-                    if NH == 2:
-                        ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
-                    for b in gl.static_range(NB):
-                        xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
-                        fac_g = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)),
-                                                  ROWS)
-                        pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
+                        nxt_wu = gl.load(w_rows + up_words + jg + 1)
+            for g in gl.static_range(G):
+                i = jg * G + g
+                if TAIL == 0 or i < num_steps:
+                    s = i % NUM_STAGES
+                    # refill the slot the previous step read (its MMA has completed: each step waits for it)
+                    nxt = i + NUM_STAGES - 1
+                    if TAIL == 0 or nxt < num_steps:
+                        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
+                                     first_step + nxt, NH, BK, U, 0, True)
+                    if SCALE_WORDS:
+                        shift = (8 * (g * NB + sb))[None, :]
+                        sc_g = (cur_wg[:, None] >> shift) & 0xFF
+                        sc_u = (cur_wu[:, None] >> shift) & 0xFF
+                    cur_sg = sc_g
+                    cur_su = sc_u
+                    if not SCALE_WORDS and (TAIL == 0 or i + 1 < num_steps):
+                        sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
                         if NH == 2:
-                            fac_u = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1)),
+                            sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
+                    if FP8:
+                        mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
+                        ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
+                        ops_u = ops_g
+                        if NH == 2:
+                            ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
+                        for b in gl.static_range(NB):
+                            xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
+                            fac_g = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)),
                                                       ROWS)
-                            pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
-                            pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
-                            acc_u += pu * fac_u[:, None]
-                        else:
-                            pg = warpgroup_mma_wait(0, deps=(pg, ))
-                        acc_g += pg * fac_g[:, None]
-                else:
-                    # BF16x2 2**(126 + b - r): one multiply-add per (row, block), no clamp (the field is in [0, 254])
-                    f_g = cur_sg * 0x00800080 + fac0_g
-                    f_u = cur_su * 0x00800080 + fac0_u
-                    cur_g = codes_g
-                    cur_u = codes_u
-                    if i + 1 < num_steps:
-                        t = (i + 1) % NUM_STAGES
-                        mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
-                        codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
-                        if NH == 2:
-                            codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
-                    xb = act.index(s).permute((1, 0))
-                    acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
-                    if NH == 2:
-                        acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
-                        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+                            pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
+                            if NH == 2:
+                                fac_u = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1)),
+                                                          ROWS)
+                                pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
+                                pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
+                                acc_u += pu * fac_u[:, None]
+                            else:
+                                pg = warpgroup_mma_wait(0, deps=(pg, ))
+                            acc_g += pg * fac_g[:, None]
                     else:
-                        acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+                        # BF16x2 2**(126 + b - r): one multiply-add per (row, block), no clamp (the field is in [0, 254])
+                        f_g = cur_sg * 0x00800080 + fac0_g
+                        f_u = cur_su * 0x00800080 + fac0_u
+                        cur_g = codes_g
+                        cur_u = codes_u
+                        if TAIL == 0 or i + 1 < num_steps:
+                            t = (i + 1) % NUM_STAGES
+                            mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
+                            codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
+                            if NH == 2:
+                                codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
+                        xb = act.index(s).permute((1, 0))
+                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
+                        if NH == 2:
+                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
+                            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+                        else:
+                            acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
     return acc_g, acc_u
 
 
@@ -793,13 +798,13 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
                            half_rows, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr,
                            NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                            NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr,
-                           DIRECT: gl.constexpr = False):
+                           DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False):
     """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
     (shared), then one arrive on ``done``."""
     _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, first_step, num_steps, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                SCALE_WORDS, U, False, DIRECT)
+                                SCALE_WORDS, U, False, DIRECT, SPLIT_LOOP)
     partial.index(0).store(acc_g)
     if NH == 2:
         partial.index(1).store(acc_u)
@@ -1187,7 +1192,7 @@ def moe_gemm_small_kernel(
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
     TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1, WIDE: gl.constexpr = False,
-    SUB_TILES: gl.constexpr = 1,
+    SUB_TILES: gl.constexpr = 1, SPLIT_LOOP: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -1211,7 +1216,8 @@ def moe_gemm_small_kernel(
     ``WIDE`` (W4A16, ``BT`` = 256): GEMM1 ``_wide_tile``, two warpgroups (``SPLIT_REGS`` registers each), the gate
     and up halves; GEMM2 ``_wide_gemm2``, persistent (a 1-D grid of at most one program per SM), two warpgroups of
     64 output columns each. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows
-    ``t * BT ..`` of tile t // 2, and none where that half holds no routed row."""
+    ``t * BT ..`` of tile t // 2, and none where that half holds no routed row. ``SPLIT_LOOP`` (W4A16, not ``WIDE``): the
+    K loop's steps that refill within the program run untested (``_small_steps``)."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
@@ -1219,6 +1225,7 @@ def moe_gemm_small_kernel(
     gl.static_assert(K_PARTS == 1 or (K_PARTS == 2 and DIRECT and GEMM1 and KSPLIT == 1))
     gl.static_assert(not WIDE or (not FP8 and KSPLIT == 1 and K_PARTS == 1 and not DIRECT and BT == 256))
     gl.static_assert(not WIDE or GEMM1 or (SCALE_WORDS and not PAIR and SUB_TILES == 1))
+    gl.static_assert(not SPLIT_LOOP or not (FP8 or WIDE))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
     # before it is either a plain launch (W4A8's row quantizer) or GEMM1, which lets it launch only after its
@@ -1269,7 +1276,8 @@ def moe_gemm_small_kernel(
                         steps = part + gl.program_id(2) * (num_k - 2 * part)
                     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
                                                 loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
-                                                BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT)
+                                                BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT,
+                                                SPLIT_LOOP)
                 else:
                     # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
                     # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
@@ -1282,11 +1290,11 @@ def moe_gemm_small_kernel(
                     acc_g, acc_u = gl.warp_specialize([
                         (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
                                         w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                        SCALE_WORDS, W_UNIT, False, DIRECT)),
+                                        SCALE_WORDS, W_UNIT, False, DIRECT, SPLIT_LOOP)),
                         (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
                                                   loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
                                                   done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
-                                                  DIRECT)),
+                                                  DIRECT, SPLIT_LOOP)),
                     ], [4], [SPLIT_REGS])
                     mbarrier.wait(done, 0)
                     acc_g = acc_g + partial.index(0).load(MMA)

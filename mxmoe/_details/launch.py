@@ -56,6 +56,8 @@ class GemmConfig:
     wide: bool = False  # gluon_small W4A16 on 256-row route tiles: two warpgroups; GEMM1 gate and up (``_wide_tile``),
     # GEMM2 persistent, 64 output columns each (``_wide_gemm2``)
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
+    split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
+    # then its last ones tested (``gemm_sm90._small_steps``)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
@@ -135,6 +137,8 @@ def wide_tail_steps(block_k: int, num_stages: int) -> int:
     return per_word * -(-(num_stages - 1) // per_word)
 
 
+SPLIT_LOOP_MIN_STEPS = 16  # K steps per warpgroup from which the small-tile W4A16 GEMMs split their K loop
+# (``GemmConfig.split_loop``)
 WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles: the wide GEMM1's unrolled steps at 6 stages
 
 
@@ -220,6 +224,13 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         if not gemm1 and gemm2_pair_fits(n) and (bt == 16 if fp8 else bt >= 32) and not cfg["wide"]:
             cfg.update(pair=True)
         cfg.update(override)
+        if "split_loop" not in override:
+            # W4A16's K loop in two parts (no per-step tests in the first): H200, reference shape, kernel times
+            # T=1024 GEMM1 558-592 -> 545-576 us, GEMM2 338-359 -> 330-350, T=2048 798-818 / 501-515 -> 744-748 /
+            # 468-472, T=4096 1162 / 845 -> 1105 / 806, T=1 GEMM1 17.6 -> 16.3; slower where a warpgroup has 8 K
+            # steps (GEMM2 on 16-row tiles: T=64 194 -> 201 us), so from 16 (docs/perf-notes.md step 23)
+            steps = k // cfg["block_k"] // (cfg["k_split"] * cfg["k_parts"])  # per warpgroup
+            cfg["split_loop"] = not (fp8 or cfg["wide"]) and steps >= SPLIT_LOOP_MIN_STEPS
         if capped and "maxnreg" not in override and (cfg["block_rows"], cfg["block_k"]) != capped:
             cfg["maxnreg"] = 0  # an override changed the tile the cap was measured for
         if k % cfg["block_k"]:
@@ -234,6 +245,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
         if cfg["pair"] and gemm1:
             raise ValueError("pair is for GEMM2")
+        if cfg["split_loop"] and (fp8 or cfg["wide"]):
+            raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
         if cfg["wide"] and not (not fp8 and cfg["block_rows"] == 256 and cfg["k_split"] == 1 and cfg["k_parts"] == 1):
             raise ValueError("wide is for W4A16 on 256-row tiles")
         # both wide kernels: scale words, and at least the K steps they unroll at a tile's end
@@ -404,7 +417,7 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
     programmatic dependent launch). ``SPLIT_REGS``: the second warpgroup's registers per thread (K split, wide
     tiles), the launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default)."""
     return dict(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, SPLIT_REGS=cfg.maxnreg or 128,
-                K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles,
+                K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop,
                 EARLY_WEIGHTS=pdl and early_weights(gemm1, cfg))
 
 
