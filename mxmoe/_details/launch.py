@@ -225,10 +225,10 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             cfg.update(pair=True)
         cfg.update(override)
         if "split_loop" not in override:
-            # W4A16's K loop in two parts (no per-step tests in the first): H200, reference shape, kernel times
-            # T=1024 GEMM1 558-592 -> 545-576 us, GEMM2 338-359 -> 330-350, T=2048 798-818 / 501-515 -> 744-748 /
-            # 468-472, T=4096 1162 / 845 -> 1105 / 806, T=1 GEMM1 17.6 -> 16.3; slower where a warpgroup has 8 K
-            # steps (GEMM2 on 16-row tiles: T=64 194 -> 201 us), so from 16 (docs/perf-notes.md step 23)
+            # W4A16's K loop in two parts (no per-step tests in the first): H200, reference shape, the call T=1024
+            # 907-909 -> 867-869 us, T=2048 1234-1264 -> 1204-1217, T=4096 1962-1978 -> 1860-1936; T=1 GEMM1 17.6 ->
+            # 16.3 us. Where a warpgroup has 8 K steps (GEMM2 on 16-row tiles) no gain showed (calls T=16 -4.8 %,
+            # T=64 +2.6 %), so from 16 (docs/perf-notes.md step 23)
             steps = k // cfg["block_k"] // (cfg["k_split"] * cfg["k_parts"])  # per warpgroup
             cfg["split_loop"] = not (fp8 or cfg["wide"]) and steps >= SPLIT_LOOP_MIN_STEPS
         if capped and "maxnreg" not in override and (cfg["block_rows"], cfg["block_k"]) != capped:
