@@ -648,7 +648,8 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
     the first stages' weight copies go out before the wait for the previous kernel (whose output the
-    activation rows are), the rest after it."""
+    activation rows are), the rest after it. ``SPLIT_LOOP`` (W4A16): the K loop in an untested and a tested part
+    (see the loop)."""
     NB: gl.constexpr = BK // 32
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
