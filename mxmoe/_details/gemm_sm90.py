@@ -825,7 +825,6 @@ def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
     epilogue of routed rows ``HALF * BT/2 ..``."""
     R: gl.constexpr = BT // 2
     NB: gl.constexpr = BK // 32
-    G: gl.constexpr = 4 // NB  # K steps per scale word
     gl.static_assert(SCALE_WORDS and NUM_STAGES >= 3)
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -847,12 +846,9 @@ def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, 
     mbarrier.wait(loaded.index(0), 0)
     codes = _fragment_words(packed.index(0), BM, BK, WL)
     acc = gl.zeros((BM, BT), gl.float32, MMA)
-    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, 0, 0,
-                                         num_k // G - _wide_tail_groups(BK, NUM_STAGES), w_ptrs, a_ptrs, ok, row_bytes,
-                                         BM, BK, NUM_STAGES, U, HALF, WL, DOT)
-    codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, 0,
-                                         num_k, w_ptrs, a_ptrs, ok, row_bytes, False, None, None, None, None, BM, BK,
-                                         NUM_STAGES, U, HALF, WL, DOT)
+    codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, 0, num_k,
+                                     w_ptrs, a_ptrs, ok, row_bytes, False, None, None, None, None, BM, BK, NUM_STAGES,
+                                     U, HALF, WL, DOT)
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     if (NUM_STAGES * BK) % (2 * BM) == 0:  # the whole ring as FP32 [.., BM, BT]: sums[0] gate, sums[1] up
         sums = act._reinterpret(gl.float32, [NUM_STAGES * BK // (2 * BM), BM, BT], FL)
@@ -1001,6 +997,22 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, s
     return codes, acc, nxt_w
 
 
+@gluon.jit
+def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
+                 row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
+                 S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
+    (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
+    Returns the codes loaded for the next step, the accumulator and the next scale word."""
+    G: gl.constexpr = 4 // (BK // 32)  # K steps per scale word (scale words: K % 128 == 0)
+    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, 0,
+                                         num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes, BM, BK,
+                                         S, U, HALF, WL, DOT)
+    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, num_k, w_ptrs,
+                            a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, HALF,
+                            WL, DOT)
+
+
 @gluon.constexpr_function
 def _wide_tail_groups(BK, S):
     """Scale-word groups (128 K each) of a wide tile's unrolled last steps (``launch.wide_tail_steps``)."""
@@ -1026,7 +1038,6 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     of output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
     R: gl.constexpr = BT // 2
     NB: gl.constexpr = BK // 32
-    G: gl.constexpr = 4 // NB  # K steps per scale word (scale words: K % 128 == 0)
     S: gl.constexpr = NUM_STAGES
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     HM: gl.constexpr = _small_mma_layout(BT // 2, False)  # the epilogue's halves
@@ -1095,13 +1106,9 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
-        # the K loop: the steps refilling with this tile's steps, then the last ones
-        codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
-                                             0, num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, None, row_bytes,
-                                             BM, BK, S, U, HALF, WL, DOT)
-        codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
-                                             num_k, w_ptrs, a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                             a_ptrs_n, None, BM, BK, S, U, HALF, WL, DOT)
+        codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+                                         num_k, w_ptrs, a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n,
+                                         a_ptrs_n, None, BM, BK, S, U, HALF, WL, DOT)
         c += num_k
         # epilogue: W4A16 row factors (as _times_row_ref), global scale, bias and routing weight (as _epilogue), in
         # two halves of the routed rows, into ``staging``; then the routed rows' 16-B pieces to the output
