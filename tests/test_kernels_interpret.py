@@ -120,8 +120,12 @@ def test_all_routes_masked_gives_zeros():
 @pytest.mark.parametrize("block_rows", [16, 32])
 # one launch on a block of 16, 64 or 128 routes (R = 15, 60, 120), the multi-kernel pack (R = 1200)
 @pytest.mark.parametrize("tokens,mapped", [(5, False), (20, True), (40, False), (40, True), (400, False)])
-def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped):
+@pytest.mark.parametrize("subs", [1, 16])  # rank counters per expert (two count programs on one counter with 1)
+def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, monkeypatch):
+    from mxmoe._details import launch
     from mxmoe._details.launch import ROUTE_BLOCK, Workspace
+
+    monkeypatch.setattr(launch, "ROUTE_SUBS", subs)
 
     E, T, top_k = 7, tokens, 3
     assert (T * top_k <= ROUTE_BLOCK) == (tokens < 400)
@@ -135,6 +139,8 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped):
     ws = Workspace(ex, T, top_k)
     ws.sorted_routes.fill_(7)  # stale contents from an earlier call must not leak
     ws.counts.fill_(3)
+    ws.expert_counts.fill_(3)
+    ws.sub_offsets.fill_(4)
     ws.tile_expert.fill_(5)
     ws.tile_start.fill_(9)
     pack = ws.route_pack(ids, emap, block_rows, E)

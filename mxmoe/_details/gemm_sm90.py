@@ -10,8 +10,8 @@ MMA's M, routed rows its N; the small-tile kernel takes the direct path's argume
   one convert while the other's MMA runs; for decode grids smaller than the SM count, two warpgroups
   split the K steps; for a few W4A16 tokens (``launch.direct_routes``) no route pack (a tile per route,
   the experts from the top-k ids) and GEMM2 also does the top-k sum; for W4A16 prefill past ~132 rows per
-  expert (``WIDE``) 256-row tiles on two warpgroups, one chain of 64 x 256 each (``_wide_tile``), and GEMM2
-  likewise, persistent (``_wide_gemm2``; or on the tiles' 128-row halves, ``SUB_TILES``).
+  expert (``WIDE``) 256-row tiles on two warpgroups, one chain of 64 x 256 each, persistent (``_wide_gemm1``), and
+  GEMM2 likewise (``_wide_gemm2``; or on the tiles' 128-row halves, ``SUB_TILES``).
 - ``moe_gemm_ws_kernel`` (W4A16; in the default selection GEMM2 on 128-row tiles with N % 128 != 0): persistent,
   warp-specialized, async wgmma. Plain Triton 3.6 waits on every wgmma, so conversion and MMA never
   overlap there; here the partitions run concurrently, each walking the program's tiles:
@@ -813,60 +813,150 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
 
 
 @gluon.jit
-def _wide_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
-               stride_out, topk_weights_ptr, packed, act, loaded, consumed, mma_done, stored, expert, n0, w_row0,
-               slot0, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
-               HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-               NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr,
-               HALF: gl.constexpr):
-    """One warpgroup of a wide W4A16 GEMM1 tile (``_wide_tile``): ``HALF`` 0 the gate rows (from ``w_row0``), 1 the up
-    rows, over all K steps, copying rows ``HALF * BT/2 ..`` of the shared activation tiles; then both halves' sums meet
-    in shared memory (over the activation ring, once both warpgroups' MMAs read it) and this warpgroup runs the
-    epilogue of routed rows ``HALF * BT/2 ..``."""
+def _gate_up_rows(rows, N, col0):
+    """The weight row (from the tile's first gate row) of each row of a wide GEMM1 warpgroup's M tile: rows 16 w .. 16 w
+    + 7 are gate columns ``col0 + 8 w ..``, rows 16 w + 8 .. 16 w + 15 the up columns of the same output columns (``N``
+    rows further). The wgmma accumulator gives a thread rows r and r + 8 of its warp, so each thread holds the gate and
+    up sums of the same outputs: no exchange between warpgroups before the activation."""
+    return ((rows // 8) % 2) * N + col0 + 8 * (rows // 16) + rows % 8
+
+
+@gluon.jit
+def _gate_up_weight_pointers(w_ptr, w_row0, N, col0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr):
+    """``_weight_pointers`` of the rows ``_gate_up_rows`` (gate and up rows of 32 output columns from ``col0``; both
+    inside their 64-row blocks, since ``w_row0``, N and the 64-row output blocks are multiples of 64)."""
+    NC: gl.constexpr = BK // 32
+    PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
+    row_bytes = (K // 32) * 16
+    pm = gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
+    pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
+    first = w_row0 + ((pm // 8) % 2) * N  # the row block: gate or up
+    in_block = col0 + 8 * (pm // 16) + pm % 8
+    return (w_ptr + (first.to(gl.int64) * row_bytes + in_block * U)[:, None]
+            + (pk + (pk // U) * (64 * U - U))[None, :])
+
+
+@gluon.jit
+def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                     tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, first, end,
+                     N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup of the persistent wide W4A16 GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
+    ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
+    ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
+    ..`` of the shared ring; then the epilogue of its BM/2 columns for all BT routed rows, from its own accumulator.
+    The ring runs on across tiles (as ``_wide_gemm2_half``): a tile's last steps refill it with the next tile's first
+    steps, whose copies land during the epilogue."""
     R: gl.constexpr = BT // 2
+    C: gl.constexpr = BM // 2  # output columns
     NB: gl.constexpr = BK // 32
-    gl.static_assert(SCALE_WORDS and NUM_STAGES >= 3)
+    S: gl.constexpr = NUM_STAGES
+    gl.static_assert(NUM_STAGES >= 3 and BM == 64)
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)
+    # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
+    HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
     if HALF == 1:
         _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
+    stride = gl.num_programs(0)
+    n_blocks = N // BM
     num_k = K // BK
-    w_row0_h = w_row0 + HALF * N
-    w_ptrs, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
-                                                   w_row0_h, K, True, BM, R, BK, U)
-    for j in gl.static_range(NUM_STAGES - 1):
-        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
-    sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
+    col0 = HALF * C
+    sm = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, SC)), N, col0)
     shifts = (8 * gl.arange(0, NB, layout=gl.SliceLayout(0, SC)))[None, :]
-    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0_h + sm))
-    w_rows = _scale_word_rows(s_ptr, w_row0_h, sm, K)
+    acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
+    G: gl.constexpr = 4 // NB  # K steps per scale word
+    AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
+    a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
+    a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
+    # the first tile: its copies, its first scale word
+    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, BT)
+    _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
+                                              w_row0, K, True, BM, R, BK, U)
+    w_ptrs = _gate_up_weight_pointers(w_ptr, w_row0, N, col0, K, BM, BK, U)
+    for j in gl.static_range(S - 1):
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K)
     nxt_w = gl.load(w_rows)
+    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
+    expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     mbarrier.wait(loaded.index(0), 0)
     codes = _fragment_words(packed.index(0), BM, BK, WL)
-    acc = gl.zeros((BM, BT), gl.float32, MMA)
-    codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, 0, num_k,
-                                     w_ptrs, a_ptrs, ok, row_bytes, False, None, None, None, None, BM, BK, NUM_STAGES,
-                                     U, HALF, WL, DOT)
-    FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    if (NUM_STAGES * BK) % (2 * BM) == 0:  # the whole ring as FP32 [.., BM, BT]: sums[0] gate, sums[1] up
-        sums = act._reinterpret(gl.float32, [NUM_STAGES * BK // (2 * BM), BM, BT], FL)
-    else:  # its first stages (a smaller view: Triton 3.6 takes it, 3.8 wants the whole buffer)
-        sums = act._reinterpret(gl.float32, [2, BM, BT], FL)
-    mbarrier.arrive(mma_done)  # the sums go over the activation ring: only once both warpgroups' MMAs read it
-    mbarrier.wait(mma_done, 0)
-    sums.index(HALF).store(acc)
-    mbarrier.arrive(stored)
-    mbarrier.wait(stored, 0)
-    HM: gl.constexpr = _small_mma_layout(R, False)  # the epilogue's halves
-    g = sums.index(0).slice(HALF * R, R, dim=1).load(HM)
-    u = sums.index(1).slice(HALF * R, R, dim=1).load(HM)
-    g, u = _times_row_ref(g, u, ref_ptr, w_row0, N, 2, BM, gl.SliceLayout(1, HM))
-    _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, topk_weights_ptr,
-              expert, w_row0, n0, slot0 + HALF * R, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
-              HAS_GSCALE, BM, R, OUT_I64, HM)
+    c = 0  # ring steps so far
+    for tile in range(first, end, stride):
+        # the next tile (the grid's last tile again where there is none): copy pointers, scale rows, row references;
+        # the expert of the one after it
+        has_next = tile + stride < end
+        nt = gl.minimum(tile + stride, end - 1)
+        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 2, BM, BT)
+        expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
+        routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
+        ref_n = gl.load(ref_ptr + w_row0_n + sm)
+        acc = gl.zeros((BM, BT), gl.float32, MMA)
+        codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+                                             0, num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes,
+                                             BM, BK, S, U, HALF, WL, DOT)
+        # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
+        ok_n = routes_n >= 0
+        a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
+        w_ptrs_n = _gate_up_weight_pointers(w_ptr, w_row0_n, N, col0, K, BM, BK, U)
+        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
+        codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+                                             num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
+                                             a_ptrs_n, ok_n, BM, BK, S, U, HALF, WL, DOT)
+        c += num_k
+        # each row times its 2**(r - 127) (as _times_row_ref), then the gate and up rows apart
+        acc = acc * _pow2(_fold_ref(ref_ptr + w_row0 + acc_rows) - 127)[:, None]
+        g, u = acc.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
+        g = gl.convert_layout(g.reshape([C, BT]), HL, assert_trivial=True)
+        u = gl.convert_layout(u.reshape([C, BT]), HL, assert_trivial=True)
+        _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, topk_weights_ptr,
+                  expert, w_row0 + col0, n0 + col0, slot0, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
+                  HAS_GSCALE, C, BT, OUT_I64, HL)
+        expert = expert_n
+        n0 = n0_n
+        w_row0 = w_row0_n
+        slot0 = slot0_n
+        w_ptrs = w_ptrs_n
+        a_ptrs = a_ptrs_n
+        ok = ok_n
+        w_rows = w_rows_n
+        fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
+        expert_n = expert_nn
     return ()
+
+
+@gluon.jit
+def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
+                SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
+                BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
+                HALF_REGS: gl.constexpr):
+    """W4A16 GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
+    per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
+    (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
+    converting while the other's MMA runs: half the conversion per MMA of the 128-row tiles' two chains of 64 x 128.
+    They share the activation ring, each copying half of its rows; a slot is refilled once both warpgroups' MMAs on
+    it completed (``consumed``), after this step's MMA went out (before it, each would wait for the other's MMA
+    before converting). One program per SM: a program per tile would idle the SM through each tile's first loads."""
+    gl.static_assert(BT == 256)
+    first = gl.program_id(0)
+    end = (N // BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: the kernel waited for it)
+    if first < end:
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
+        gl.warp_specialize([
+            (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
+                                loaded, consumed, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 0)),
+            (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
+                                loaded, consumed, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 1)),
+        ], [4], [HALF_REGS])
 
 
 @gluon.jit
@@ -887,40 +977,10 @@ def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl
 
 
 @gluon.jit
-def _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
-               stride_out, topk_weights_ptr, expert, n0, w_row0, slot0, N, K, top_k, limit, alpha,
-               SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
-               BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
-               SCALE_WORDS: gl.constexpr, U: gl.constexpr, HALF_REGS: gl.constexpr):
-    """A W4A16 GEMM1 program on a wide route tile (``BT`` = 256 rows, the MMA's N): two warpgroups (``_wide_half``),
-    gate and up, each one accumulator chain of 64 x 256 converting while the other's MMA runs: half the conversion
-    per MMA of the 128-row tiles' two chains of 64 x 128 (one program per SM: 185 KB of shared memory at 5
-    stages). They share the activation ring, each copying half of its rows; a slot is refilled once both
-    warpgroups' MMAs on it completed (``consumed``), after this step's MMA went out (before it, each would wait
-    for the other's MMA before converting)."""
-    gl.static_assert(BT == 256 and NUM_STAGES * BK * 2 >= 2 * BM * 4)  # (the ring holds both halves' FP32 sums)
-    act, packed_g, packed_u, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
-    mma_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    stored = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(mma_done, count=2)
-    mbarrier.init(stored, count=2)
-    gl.warp_specialize([
-        (_wide_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                      out_ptr, stride_out, topk_weights_ptr, packed_g, act, loaded, consumed, mma_done, stored,
-                      expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
-                      BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 0)),
-        (_wide_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                      out_ptr, stride_out, topk_weights_ptr, packed_u, act, loaded, consumed, mma_done, stored,
-                      expert, n0, w_row0, slot0, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT,
-                      BK, NUM_STAGES, OUT_I64, SCALE_WORDS, U, 1)),
-    ], [4], [HALF_REGS])
-
-
-@gluon.jit
 def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
                U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
-    """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_half``, ``_wide_gemm2_half``), the ``g``-th of
+    """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
     its scale word ``cur_w``: the MMA of the codes loaded before (the next step's are loaded while it runs, if
     ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both warpgroups' MMAs on it
     completed: before this step's MMA went out, each would wait for the other's MMA before converting) with K step
@@ -1221,9 +1281,9 @@ def moe_gemm_small_kernel(
     (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
     no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose grid fills the SMs unevenly): grid axis 2
     splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``.
-    ``WIDE`` (W4A16, ``BT`` = 256): GEMM1 ``_wide_tile``, two warpgroups (``SPLIT_REGS`` registers each), the gate
-    and up halves; GEMM2 ``_wide_gemm2``, persistent (a 1-D grid of at most one program per SM), two warpgroups of
-    64 output columns each. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows
+    ``WIDE`` (W4A16, ``BT`` = 256): persistent (a 1-D grid of at most one program per SM), two warpgroups
+    (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of 32 output columns each; GEMM2
+    ``_wide_gemm2``, 64 output columns each. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows
     ``t * BT ..`` of tile t // 2, and none where that half holds no routed row. ``SPLIT_LOOP`` (W4A16, not ``WIDE``): the
     K loop's steps that refill within the program run untested (``_small_steps``)."""
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
@@ -1232,7 +1292,7 @@ def moe_gemm_small_kernel(
     gl.static_assert(not SUM_ROUTES or (DIRECT and not GEMM1 and TOP_K > 0))
     gl.static_assert(K_PARTS == 1 or (K_PARTS == 2 and DIRECT and GEMM1 and KSPLIT == 1))
     gl.static_assert(not WIDE or (not FP8 and KSPLIT == 1 and K_PARTS == 1 and not DIRECT and BT == 256))
-    gl.static_assert(not WIDE or GEMM1 or (SCALE_WORDS and not PAIR and SUB_TILES == 1))
+    gl.static_assert(not WIDE or (SCALE_WORDS and not PAIR and SUB_TILES == 1))
     gl.static_assert(not SPLIT_LOOP or not (FP8 or WIDE))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
@@ -1247,6 +1307,10 @@ def moe_gemm_small_kernel(
         _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                     num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
                     NUM_STAGES, OUT_I64, W_UNIT, EARLY_WEIGHTS, SPLIT_REGS)
+    elif WIDE:
+        _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                    tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
+                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SPLIT_REGS)
     else:
         pid_n = gl.program_id(0)
         pid_t = gl.program_id(1)
@@ -1268,60 +1332,54 @@ def moe_gemm_small_kernel(
             num_k = K // BK
             MMA: gl.constexpr = _small_mma_layout(BT, FP8)
             a_dtype: gl.constexpr = a_ptr.dtype.element_ty
-            if WIDE:
-                _wide_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                           out_ptr, stride_out, topk_weights_ptr, expert, n0, w_row0, slot0, N, K, top_k, limit, alpha,
-                           SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, SCALE_WORDS, W_UNIT,
-                           SPLIT_REGS)
+            packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+            if KSPLIT == 1:
+                first_k = 0
+                steps = num_k
+                if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
+                    part = _first_half_steps(num_k, NB, SCALE_WORDS)
+                    first_k = gl.program_id(2) * part
+                    steps = part + gl.program_id(2) * (num_k - 2 * part)
+                acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
+                                            loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
+                                            BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT,
+                                            SPLIT_LOOP)
             else:
-                packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
-                if KSPLIT == 1:
-                    first_k = 0
-                    steps = num_k
-                    if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
-                        part = _first_half_steps(num_k, NB, SCALE_WORDS)
-                        first_k = gl.program_id(2) * part
-                        steps = part + gl.program_id(2) * (num_k - 2 * part)
-                    acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
-                                                loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
-                                                BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT,
-                                                SPLIT_LOOP)
-                else:
-                    # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
-                    # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
-                    gl.static_assert(KSPLIT == 2)
-                    packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
-                    partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-                    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-                    mbarrier.init(done, count=1)
-                    half = _first_half_steps(num_k, NB, SCALE_WORDS)
-                    acc_g, acc_u = gl.warp_specialize([
-                        (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                                        w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                        SCALE_WORDS, W_UNIT, False, DIRECT, SPLIT_LOOP)),
-                        (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
-                                                  loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
-                                                  done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
-                                                  DIRECT, SPLIT_LOOP)),
-                    ], [4], [SPLIT_REGS])
-                    mbarrier.wait(done, 0)
-                    acc_g = acc_g + partial.index(0).load(MMA)
-                    if NH == 2:
-                        acc_u = acc_u + partial.index(1).load(MMA)
-                last = True
-                if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
-                    acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
-                if last:
-                    if not FP8:
-                        acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
-                                                      gl.SliceLayout(1, MMA))
-                    _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                              topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
-                              HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
-                    if PAIR:  # the second block's rows
-                        _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                                  topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
-                                  SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+                # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
+                # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
+                gl.static_assert(KSPLIT == 2)
+                packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+                partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+                mbarrier.init(done, count=1)
+                half = _first_half_steps(num_k, NB, SCALE_WORDS)
+                acc_g, acc_u = gl.warp_specialize([
+                    (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
+                                    w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
+                                    SCALE_WORDS, W_UNIT, False, DIRECT, SPLIT_LOOP)),
+                    (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
+                                              loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
+                                              done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
+                                              DIRECT, SPLIT_LOOP)),
+                ], [4], [SPLIT_REGS])
+                mbarrier.wait(done, 0)
+                acc_g = acc_g + partial.index(0).load(MMA)
+                if NH == 2:
+                    acc_u = acc_u + partial.index(1).load(MMA)
+            last = True
+            if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
+                acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
+            if last:
+                if not FP8:
+                    acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
+                                                  gl.SliceLayout(1, MMA))
+                _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                          topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
+                          HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+                if PAIR:  # the second block's rows
+                    _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                              topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
+                              SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
         else:
             if EARLY_WEIGHTS:
                 # a program without a tile waits too: a kernel must not complete before the one it follows (else the

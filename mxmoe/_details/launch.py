@@ -30,6 +30,7 @@ PDL = True  # programmatic dependent launch (compute capability >= 9) of the one
 # GEMMs and the top-k sum
 EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
+ROUTE_SUBS = 16  # counters per expert of the multi-kernel route pack (routing_kernels.route_count_kernel)
 DIRECT_DECODE = True  # a few tokens, W4A16 on the small-tile Gluon kernels: each route a 16-row tile of its own
 # and no route-pack launch (the GEMMs read the top-k ids themselves; docs/perf-notes.md step 17)
 DIRECT_MAX_TOKENS = 4  # up to which (a repeated expert costs a second tile; measured slower from T=8)
@@ -53,8 +54,8 @@ class GemmConfig:
     pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
     k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
     # that fill the SMs unevenly)
-    wide: bool = False  # gluon_small W4A16 on 256-row route tiles: two warpgroups; GEMM1 gate and up (``_wide_tile``),
-    # GEMM2 persistent, 64 output columns each (``_wide_gemm2``)
+    wide: bool = False  # gluon_small W4A16 on 256-row route tiles, persistent, two warpgroups: GEMM1 the gate and up
+    # rows of 32 output columns each (``_wide_gemm1``), GEMM2 64 output columns each (``_wide_gemm2``)
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
     split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
     # then its last ones tested (``gemm_sm90._small_steps``)
@@ -139,7 +140,8 @@ def wide_tail_steps(block_k: int, num_stages: int) -> int:
 
 SPLIT_LOOP_MIN_STEPS = 16  # K steps per warpgroup from which the small-tile W4A16 GEMMs split their K loop
 # (``GemmConfig.split_loop``)
-WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles: the wide GEMM1's unrolled steps at 6 stages
+WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles: the wide GEMM1 unrolls its last steps (at
+# up to 6 stages)
 
 
 def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
@@ -167,11 +169,10 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                    k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
         if bt == WIDE_ROWS:  # wide route tiles: both GEMMs on two warpgroups (GEMM2 persistent), or GEMM2 on halves
-            # GEMM1 on 5 stages (the sums meet over the ring): H200 T=8192 1.935 -> 1.855 ms, 6144 1.885 -> 1.721 (6:
-            # 1.869 / 1.767); on a Triton other than the validated one 6 (its shared-memory views must cover the
-            # whole ring: an even number of stages)
+            # GEMM1 on 5 stages: H200 T=8192 1.935 -> 1.855 ms, 6144 1.885 -> 1.721 (6: 1.869 / 1.767); 255 registers
+            # (persistent: the next tile's copy state through the tail; 232 spills)
             if gemm1:
-                cfg.update(wide=True, maxnreg=232, num_stages=5 if gluon_validated(triton.__version__) else 6)
+                cfg.update(wide=True, maxnreg=255, num_stages=5)
             elif WIDE_GEMM2 and k % 128 == 0 and k // 64 >= wide_tail_steps(64, 4):
                 # persistent, two warpgroups of one 64 x 256 chain each (``gemm_sm90._wide_gemm2``); it unrolls a
                 # tile's last 4 K steps, else (I = 128, e.g. at 8-way tensor parallelism) the halves
@@ -321,7 +322,9 @@ class Workspace:
         i32 = dict(dtype=torch.int32, device=device)
         self.max_tokens, self.top_k, self.fp8 = max_tokens, top_k, fp8
         self.shape = (E, H, I)
-        self.counts = torch.zeros(E, **i32)
+        self.counts = torch.zeros(ROUTE_SUBS * E, **i32)  # the pack's rank counters
+        self.expert_counts = torch.empty(E, **i32)
+        self.sub_offsets = torch.empty(ROUTE_SUBS * E, **i32)
         self.route_expert = torch.empty(R, **i32)
         self.route_rank = torch.empty(R, **i32)
         self.route_slot = torch.empty(R, **i32)
@@ -369,7 +372,7 @@ class Workspace:
             # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
             # 3.4 us (docs/perf-notes.md step 15)
             block = max(16, triton.next_power_of_2(R))
-            route_pack_small_kernel[(1,)](topk_ids, emap, self.counts, self.offsets, self.tile_expert, self.tile_start,
+            route_pack_small_kernel[(1,)](topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert, self.tile_start,
                                           self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
                                           max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
                                           BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4,
@@ -378,14 +381,16 @@ class Workspace:
             self.counts.zero_()
             sorted_routes.fill_(-1)
             grid = (triton.cdiv(R, ROUTE_BLOCK),)
+            subs = self.counts.numel() // self.shape[0]  # (ROUTE_SUBS when the workspace was made)
             route_count_kernel[grid](topk_ids, emap, self.counts, self.route_expert, self.route_rank, R, num_experts,
-                                     n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK)
-            route_offsets_kernel[(1,)](self.counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
-                                       num_experts, max_tiles, BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK)
-            route_scatter_kernel[grid](self.route_expert, self.route_rank, self.offsets, self.route_slot, sorted_routes,
-                                       R, BLOCK=ROUTE_BLOCK)
+                                     n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=subs)
+            route_offsets_kernel[(1,)](self.counts, self.expert_counts, self.offsets, self.sub_offsets,
+                                       self.tile_expert, self.tile_start, self.num_tiles, num_experts, max_tiles,
+                                       BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, SUBS=subs)
+            route_scatter_kernel[grid](self.route_expert, self.route_rank, self.sub_offsets, self.route_slot,
+                                       sorted_routes, R, num_experts, BLOCK=ROUTE_BLOCK, SUBS=subs)
         return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
-                         expert_counts=self.counts, segment_offsets=self.offsets,
+                         expert_counts=self.expert_counts, segment_offsets=self.offsets,
                          tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],
                          num_tiles=self.num_tiles)
 
@@ -467,7 +472,7 @@ class DirectRoutes:
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
           gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None):
     tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel() * cfg.sub_tiles
-    persistent = cfg.kernel == "gluon" or (cfg.wide and not gemm1)  # at most one program per SM, walking the tiles
+    persistent = cfg.kernel == "gluon" or cfg.wide  # at most one program per SM, walking the tiles
     width = cfg.block_m * (2 if cfg.pair or (cfg.wide and not gemm1) else 1)  # output columns per program (tile)
     grid = (n // width, tiles, cfg.k_parts)
     if persistent:
