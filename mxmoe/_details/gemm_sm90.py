@@ -459,10 +459,33 @@ def _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_p
     """Column scales, bias, activation (GEMM1) or routing weight (GEMM2) and the store, in the accumulator
     layout ``OUT``: no shared-memory round trip (its scratch would be as large as a pipeline stage); a
     warp's store covers 16-B pieces of 4 output rows, the L2 merges them."""
+    y, out_rows, row_ok, offs_n = _epilogue_values(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr,
+                                                   topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha,
+                                                   GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT, DIRECT)
+    if OUT_I64:  # 32-bit element offsets where the output allows: 64-bit pointers per element would spill
+        out_ptrs = out_ptr + out_rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
+    else:
+        out_ptrs = out_ptr + (out_rows[None, :] * stride_out + offs_n[:, None])
+    gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (offs_n < N)[:, None])
+
+
+@gluon.jit
+def _epilogue_values(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, topk_weights_ptr, expert, w_row0,
+                     n0, slot0, N, top_k, limit, alpha, GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr,
+                     FP8: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
+                     BT: gl.constexpr, OUT: gl.constexpr, DIRECT: gl.constexpr = False,
+                     ALL_ROWS: gl.constexpr = False):
+    """``_epilogue``'s FP32 results [BM, BT] in ``OUT``, their output rows, which rows to store and the output
+    columns. ``ALL_ROWS`` (W4A16 GEMM1): every slot's row, padding included (its sums are zero; GEMM2 never stores
+    a padding slot's column), so the routes are not read."""
     g = acc_g
     offs_n = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, OUT))
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(0, OUT))
-    routes = _tile_routes(routes_ptr, slots, BT, DIRECT)
+    gl.static_assert(not ALL_ROWS or (GEMM1 and not FP8))
+    if ALL_ROWS:
+        routes = slots
+    else:
+        routes = _tile_routes(routes_ptr, slots, BT, DIRECT)
     row_ok = routes >= 0
     col_scale = gl.full((BT,), 1.0, gl.float32, gl.SliceLayout(0, OUT))
     if FP8:
@@ -489,11 +512,7 @@ def _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_p
     else:
         y = y * gl.load(topk_weights_ptr + routes, mask=row_ok, other=0.0).to(gl.float32)[None, :]
         out_rows = gl.where(row_ok, routes, 0)
-    if OUT_I64:  # 32-bit element offsets where the output allows: 64-bit pointers per element would spill
-        out_ptrs = out_ptr + out_rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
-    else:
-        out_ptrs = out_ptr + (out_rows[None, :] * stride_out + offs_n[:, None])
-    gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (offs_n < N)[:, None])
+    return y, out_rows, row_ok, offs_n
 
 
 @gluon.jit
@@ -838,8 +857,8 @@ def _gate_up_weight_pointers(w_ptr, w_row0, N, col0, K, BM: gl.constexpr, BK: gl
 
 @gluon.jit
 def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                     tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, first, end,
-                     N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, staging,
+                     first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                      NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide W4A16 GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
@@ -872,6 +891,9 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
     a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
     a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // C, C // 8], [4, 1], [1, 0])  # [BT, C]: 16-B pieces
+    offs_t = gl.arange(0, BT, layout=gl.SliceLayout(1, OL))
+    offs_o = gl.arange(0, C, layout=gl.SliceLayout(0, OL))
     # the first tile: its copies, its first scale word
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, BT)
     _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
@@ -913,9 +935,18 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         g, u = acc.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
         g = gl.convert_layout(g.reshape([C, BT]), HL, assert_trivial=True)
         u = gl.convert_layout(u.reshape([C, BT]), HL, assert_trivial=True)
-        _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, topk_weights_ptr,
-                  expert, w_row0 + col0, n0 + col0, slot0, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
-                  HAS_GSCALE, C, BT, OUT_I64, HL)
+        # the activation of every slot (a padding slot's row too: no routes to read) into ``staging`` [BT, C], then
+        # whole 16-B pieces of its rows to the output (from the accumulator layout: one 2-byte store per value)
+        y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                                                       topk_weights_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
+                                                       top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
+                                                       HAS_GSCALE, C, BT, HL, False, True)
+        staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+        if OUT_I64:
+            out_ptrs = out_ptr + (slot0 + offs_t).to(gl.int64)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :]
+        else:
+            out_ptrs = out_ptr + ((slot0 + offs_t)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :])
+        gl.store(out_ptrs, staging.load(OL))
         expert = expert_n
         n0 = n0_n
         w_row0 = w_row0_n
@@ -947,14 +978,18 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
     end = (N // BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: the kernel waited for it)
     if first < end:
         act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
+        # each warpgroup's BF16 results of a tile [BT, BM/2], stored from here in 16-B pieces of rows
+        OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM // 2], out_ptr.dtype.element_ty)
+        staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM // 2], OUT_SL)
+        staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM // 2], OUT_SL)
         gl.warp_specialize([
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
-                                loaded, consumed, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
                                 HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 0)),
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
-                                loaded, consumed, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
                                 HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 1)),
         ], [4], [HALF_REGS])
 
