@@ -12,21 +12,7 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
-
-
-def _sass(kernel):
-    from mxmoe._details.sm90 import _ptxas, _tool
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        log = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
-                             check=True).stderr
-        sass = subprocess.run([_tool("nvdisasm"), cubin], capture_output=True, text=True, check=True).stdout
-    return sass, log
 
 
 def _kernel(rows, gemm1, fp8):
@@ -48,17 +34,19 @@ def main(argv):
                   f" instructions, {b and b['registers']} -> {a and a['registers']} registers")
         return
     if argv[:1] == ["--dump"]:
+        from mxmoe._details.sm90 import sass_and_log
         rows, gemm1, fp8 = (int(v) for v in argv[1].split(","))
-        print(_sass(_kernel(rows, bool(gemm1), bool(fp8)))[0])
+        print(sass_and_log(_kernel(rows, bool(gemm1), bool(fp8)))[0])
         return
     if argv:
         sys.path.insert(0, os.path.abspath(argv[0]))
+    from mxmoe._details.sm90 import sass_and_log
     out = {}
     for rows in (8, 2048, 8192, 16384, 32768, 65536):
         for gemm1 in (True, False):
             for fp8 in (False, True):
                 kernel = _kernel(rows, gemm1, fp8)
-                sass, log = _sass(kernel)
+                sass, log = sass_and_log(kernel)
                 ops = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
                 ops = [op for op in ops if not op.startswith(".")]  # (line-table bytes name the source files)
                 out[f"{rows}-{'g1' if gemm1 else 'g2'}-{'fp8' if fp8 else 'bf16'}"] = dict(

@@ -198,8 +198,11 @@ def _tile_routes(routes_ptr, slots, BT: gl.constexpr, DIRECT: gl.constexpr):
 
 @gluon.jit
 def _weight_pointers(w_ptr, w_row0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, half_rows=0,
-                     NH: gl.constexpr = 1):
-    """The packed-weight half of ``_copy_pointers``: sources [NH BM, BK/2] of the first K step, and the row stride."""
+                     NH: gl.constexpr = 1, GATE_UP: gl.constexpr = False, col0=0):
+    """The packed-weight half of ``_copy_pointers``: sources [NH BM, BK/2] of the first K step, and the row stride.
+    ``GATE_UP`` (the wide GEMM1): the rows ``_gate_up_rows`` of the output columns from ``col0``, up rows
+    ``half_rows`` after the gate rows (both inside their 64-row blocks: ``w_row0`` and ``half_rows`` are multiples
+    of 64, and col0 + 32 <= 64)."""
     NC: gl.constexpr = BK // 32
     PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
     row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
@@ -207,9 +210,13 @@ def _weight_pointers(w_ptr, w_row0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl
     pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
     # row block (pm // 64), unit (pk // U) of 64 rows x U bytes, row in the block, byte
     first = w_row0 + (pm // 64) * 64
+    in_block = pm % 64
     if NH == 2:
         first = w_row0 + (pm // BM) * half_rows + ((pm % BM) // 64) * 64
-    w_ptrs = (w_ptr + (first.to(gl.int64) * row_bytes + (pm % 64) * U)[:, None]
+    if GATE_UP:
+        first = w_row0 + ((pm // 8) % 2) * half_rows
+        in_block = col0 + 8 * (pm // 16) + pm % 8
+    w_ptrs = (w_ptr + (first.to(gl.int64) * row_bytes + in_block * U)[:, None]
               + (pk + (pk // U) * (64 * U - U))[None, :])
     return w_ptrs, row_bytes
 
@@ -836,23 +843,9 @@ def _gate_up_rows(rows, N, col0):
     """The weight row (from the tile's first gate row) of each row of a wide GEMM1 warpgroup's M tile: rows 16 w .. 16 w
     + 7 are gate columns ``col0 + 8 w ..``, rows 16 w + 8 .. 16 w + 15 the up columns of the same output columns (``N``
     rows further). The wgmma accumulator gives a thread rows r and r + 8 of its warp, so each thread holds the gate and
-    up sums of the same outputs: no exchange between warpgroups before the activation."""
+    up sums of the same outputs: no exchange between warpgroups before the activation. (``_weight_pointers`` with
+    ``GATE_UP`` copies these rows.)"""
     return ((rows // 8) % 2) * N + col0 + 8 * (rows // 16) + rows % 8
-
-
-@gluon.jit
-def _gate_up_weight_pointers(w_ptr, w_row0, N, col0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr):
-    """``_weight_pointers`` of the rows ``_gate_up_rows`` (gate and up rows of 32 output columns from ``col0``; both
-    inside their 64-row blocks, since ``w_row0``, N and the 64-row output blocks are multiples of 64)."""
-    NC: gl.constexpr = BK // 32
-    PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
-    row_bytes = (K // 32) * 16
-    pm = gl.arange(0, BM, layout=gl.SliceLayout(1, PL))
-    pk = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, PL))
-    first = w_row0 + ((pm // 8) % 2) * N  # the row block: gate or up
-    in_block = col0 + 8 * (pm // 16) + pm % 8
-    return (w_ptr + (first.to(gl.int64) * row_bytes + in_block * U)[:, None]
-            + (pk + (pk // U) * (64 * U - U))[None, :])
 
 
 @gluon.jit
@@ -898,7 +891,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, BT)
     _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
                                               w_row0, K, True, BM, R, BK, U)
-    w_ptrs = _gate_up_weight_pointers(w_ptr, w_row0, N, col0, K, BM, BK, U)
+    w_ptrs = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, col0)[0]
     for j in gl.static_range(S - 1):
         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K)
@@ -924,7 +917,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
         ok_n = routes_n >= 0
         a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
-        w_ptrs_n = _gate_up_weight_pointers(w_ptr, w_row0_n, N, col0, K, BM, BK, U)
+        w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
         w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
         codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
                                              num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,

@@ -322,7 +322,8 @@ class Workspace:
         i32 = dict(dtype=torch.int32, device=device)
         self.max_tokens, self.top_k, self.fp8 = max_tokens, top_k, fp8
         self.shape = (E, H, I)
-        self.counts = torch.zeros(ROUTE_SUBS * E, **i32)  # the pack's rank counters
+        self.route_subs = ROUTE_SUBS
+        self.counts = torch.zeros(ROUTE_SUBS * E, **i32)  # the pack's rank counters, [route_subs, E]
         self.expert_counts = torch.empty(E, **i32)
         self.sub_offsets = torch.empty(ROUTE_SUBS * E, **i32)
         self.route_expert = torch.empty(R, **i32)
@@ -372,8 +373,8 @@ class Workspace:
             # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
             # 3.4 us (docs/perf-notes.md step 15)
             block = max(16, triton.next_power_of_2(R))
-            route_pack_small_kernel[(1,)](topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert, self.tile_start,
-                                          self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
+            route_pack_small_kernel[(1,)](topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert,
+                                          self.tile_start, self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
                                           max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
                                           BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4,
                                           **_pdl(topk_ids.device))
@@ -381,14 +382,13 @@ class Workspace:
             self.counts.zero_()
             sorted_routes.fill_(-1)
             grid = (triton.cdiv(R, ROUTE_BLOCK),)
-            subs = self.counts.numel() // self.shape[0]  # (ROUTE_SUBS when the workspace was made)
             route_count_kernel[grid](topk_ids, emap, self.counts, self.route_expert, self.route_rank, R, num_experts,
-                                     n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=subs)
+                                     n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
             route_offsets_kernel[(1,)](self.counts, self.expert_counts, self.offsets, self.sub_offsets,
                                        self.tile_expert, self.tile_start, self.num_tiles, num_experts, max_tiles,
-                                       BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, SUBS=subs)
+                                       BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
             route_scatter_kernel[grid](self.route_expert, self.route_rank, self.sub_offsets, self.route_slot,
-                                       sorted_routes, R, num_experts, BLOCK=ROUTE_BLOCK, SUBS=subs)
+                                       sorted_routes, R, num_experts, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
         return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
                          expert_counts=self.expert_counts, segment_offsets=self.offsets,
                          tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],

@@ -92,8 +92,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                           options=options)
 
 
-def report(kernel) -> KernelReport:
-    """Registers and spills from ``ptxas -v``, MMA instructions from ``nvdisasm``."""
+def sass_and_log(kernel) -> tuple:
+    """(``nvdisasm`` SASS, ``ptxas -v`` log) of a compiled kernel's PTX for sm_90a."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -101,6 +101,12 @@ def report(kernel) -> KernelReport:
         log = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
                              check=True).stderr
         sass = subprocess.run([_tool("nvdisasm"), cubin], capture_output=True, text=True, check=True).stdout
+    return sass, log
+
+
+def report(kernel) -> KernelReport:
+    """Registers and spills from ``ptxas -v``, MMA instructions from ``nvdisasm``."""
+    sass, log = sass_and_log(kernel)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     mma = sorted(set(re.findall(r"\b[HQ]GMMA\.\S+|\bHMMA\.\S+", sass)))
