@@ -33,11 +33,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+# Triton >= 3.9 renamed the cp.async copy (the old name raises there) and shared-memory views' ``_reinterpret``
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
 from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, FOLD_REF_MAX
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # Triton 3.6 / 3.8 names
+
+
+@gluon.jit
+def _reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """``smem`` viewed as ``dtype`` ``shape`` in ``layout`` (the same bytes), on every Triton."""
+    if _PUBLIC_REINTERPRET:
+        return smem.reinterpret(dtype, shape, layout)
+    else:
+        return smem._reinterpret(dtype, shape, layout)
 
 
 @gluon.jit
@@ -268,21 +281,23 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
     shared-memory barrier pass puts a CTA barrier between two copies into one allocation (docs/perf-notes.md
     step 18). ``a_ptrs`` may cover part of the activation tile: its rows from ``ACT_ROW0`` (the wide tiles)."""
     if PART != 2 and JOINED:
-        halves = packed._reinterpret(gl.uint8, [packed.shape[0] // NH, NH * packed.shape[1], packed.shape[2]],
-                                     packed.layout)
-        async_copy.async_copy_global_to_shared(halves.index(slot), w_ptrs + _step_offset(step, BK, U))
+        SLOTS: gl.constexpr = packed.shape[0] // NH
+        ROWS: gl.constexpr = NH * packed.shape[1]
+        ROW_BYTES: gl.constexpr = packed.shape[2]
+        LAYOUT: gl.constexpr = packed.layout
+        halves = _reinterpret(packed, gl.uint8, [SLOTS, ROWS, ROW_BYTES], LAYOUT)
+        _async_load(halves.index(slot), w_ptrs + _step_offset(step, BK, U))
     if PART != 2 and not JOINED:
         for h in gl.static_range(NH):
-            async_copy.async_copy_global_to_shared(packed.index(slot * NH + h),
-                                                   w_ptrs + h * half_rows * row_bytes + _step_offset(step, BK, U))
+            _async_load(packed.index(slot * NH + h), w_ptrs + h * half_rows * row_bytes + _step_offset(step, BK, U))
     if PART != 1:
         stage = act.index(slot)
         if a_ptrs.shape[0] != stage.shape[0]:
             stage = stage.slice(ACT_ROW0, a_ptrs.shape[0])
         if ok is None:  # every row (a slot of its own, written or not)
-            async_copy.async_copy_global_to_shared(stage, a_ptrs + step * BK)
+            _async_load(stage, a_ptrs + step * BK)
         else:
-            async_copy.async_copy_global_to_shared(stage, a_ptrs + step * BK, mask=ok[:, None])
+            _async_load(stage, a_ptrs + step * BK, mask=ok[:, None])
         async_copy.mbarrier_arrive(loaded.index(slot), increment_count=False)
 
 
@@ -311,10 +326,10 @@ def _load_packed(packed, i, NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr
     """Stage ``i``'s packed words [BM, BK/8] of both halves (once the loader's copies landed)."""
     s = i % NUM_STAGES
     words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    p_g = packed.index(s * NH)._reinterpret(gl.int32, [BM, BK // 8], words).load(PL)
+    p_g = _reinterpret(packed.index(s * NH), gl.int32, [BM, BK // 8], words).load(PL)
     p_u = p_g
     if NH == 2:
-        p_u = packed.index(s * NH + 1)._reinterpret(gl.int32, [BM, BK // 8], words).load(PL)
+        p_u = _reinterpret(packed.index(s * NH + 1), gl.int32, [BM, BK // 8], words).load(PL)
     return p_g, p_u
 
 
@@ -404,7 +419,7 @@ def _converter(s_ptr, ref_ptr, tile_expert_ptr, first, end, stride, N, K, num_k,
                         # output j of stored word q is K pair 4j + q of the block (K 8j + 2q, + 1)
                         w = gl.join(gl.join(o0, o2), gl.join(o1, o3)).reshape(BM, NC, 4, 4).permute((0, 1, 3, 2))
                         w = w.reshape(BM, BK // 2)
-                        wconv.index(s * NH + h)._reinterpret(gl.int32, [BM, BK // 2], conv_words).store(
+                        _reinterpret(wconv.index(s * NH + h), gl.int32, [BM, BK // 2], conv_words).store(
                             gl.convert_layout(w, WL))
                     fence_async_shared()
                     mbarrier.arrive(converted.index(s))
@@ -627,7 +642,7 @@ def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constex
 def _fragment_words(packed_s, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr):
     """A stage's packed [BM, BK/2] E2M1 (shared) as int32 words [BM, BK/32, 4] in ``WL``."""
     words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    return packed_s._reinterpret(gl.int32, [BM, BK // 8], words).reshape([BM, BK // 32, 4]).load(WL)
+    return _reinterpret(packed_s, gl.int32, [BM, BK // 8], words).reshape([BM, BK // 32, 4]).load(WL)
 
 
 @gluon.jit
