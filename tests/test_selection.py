@@ -386,3 +386,35 @@ def test_small_w4a16_tiles_split_their_k_loop_from_16_steps():
     assert cfg(8192, 4096, 1024, gemm1=False, override={"split_loop": False}).split_loop is False
     with pytest.raises(ValueError, match="split_loop"):
         cfg(8192, 1024, 4096, fp8=True, override={"split_loop": True})
+
+
+def test_small_tile_kernels_over_48_kb_get_no_shared_preference(monkeypatch):
+    """Triton loads kernels of more than 48 KB of shared memory preferring shared memory (the smallest L1);
+    ``_no_shared_preference`` sets such a kernel back to no preference once per loaded kernel, leaves smaller
+    ones alone, and does nothing without a loaded function or without libcuda."""
+    from types import SimpleNamespace
+
+    from mxmoe._details import launch
+
+    calls = []
+
+    class FakeCuda:
+        def cuFuncSetCacheConfig(self, function, config):
+            calls.append((function.value, config))
+            return 0
+
+    monkeypatch.setattr(launch, "_libcuda", lambda: FakeCuda())
+    monkeypatch.setattr(launch, "_L1_SET", set())
+
+    def kernel(function, shared):
+        return SimpleNamespace(function=function, metadata=SimpleNamespace(shared=shared))
+
+    launch._no_shared_preference(kernel(0x1000, 49184))
+    launch._no_shared_preference(kernel(0x1000, 49184))  # the same kernel again: once
+    launch._no_shared_preference(kernel(0x2000, 32800))  # under 48 KB: as Triton loaded it
+    launch._no_shared_preference(kernel(None, 81952))  # not loaded (e.g. the interpreter)
+    launch._no_shared_preference(kernel(0x3000, 81952))
+    assert calls == [(0x1000, 0), (0x3000, 0)]
+    monkeypatch.setattr(launch, "_libcuda", lambda: None)
+    launch._no_shared_preference(kernel(0x4000, 81952))  # no libcuda: nothing, no error
+    assert calls == [(0x1000, 0), (0x3000, 0)]

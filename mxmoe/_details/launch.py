@@ -7,6 +7,7 @@ activation -> [W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> to
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass, replace
@@ -503,7 +504,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         if cfg.maxnreg:
             extra["maxnreg"] = cfg.maxnreg
     assert direct is None or cfg.kernel == "gluon_small"
-    kernel[grid](
+    compiled = kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
         w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
         *((w_ref, w_ref, w_ref) if direct else (pack.sorted_routes, pack.tile_expert, pack.num_tiles)),
@@ -513,6 +514,34 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages, W_UNIT=row_block_unit(k),
         num_warps=cfg.num_warps, **extra,
     )
+    if cfg.kernel == "gluon_small" and not (cfg.wide or direct or cfg.k_split > 1):
+        _no_shared_preference(compiled)
+
+
+_L1_SET: set = set()  # CUfunction handles whose cache preference _no_shared_preference has set
+
+
+def _no_shared_preference(compiled) -> None:
+    """Triton loads a kernel of more than 48 KB of shared memory with CU_FUNC_CACHE_PREFER_SHARED, the largest
+    carveout (an L1 of 28 KB on the H200). The small-tile GEMMs' scale-word loads hit in L1 (7 of 8 come from a
+    32-B sector read two K steps before), so theirs goes back to no preference, and the driver sizes the carveout
+    for the occupancy: H200, T=2048 (49,184 B, 3 programs per SM) GEMM1 -3 to -5 %, the call -2 to -3 %
+    (docs/perf-notes.md step 27). Once per loaded kernel, outside any stream; a hint only: without libcuda, nothing."""
+    function = getattr(compiled, "function", None)
+    if function is None or function in _L1_SET or compiled.metadata.shared <= 48 * 1024:
+        return
+    _L1_SET.add(function)
+    cuda = _libcuda()
+    if cuda is not None:
+        cuda.cuFuncSetCacheConfig(ctypes.c_void_p(function), 0)  # CU_FUNC_CACHE_PREFER_NONE
+
+
+@functools.cache
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
 
 
 def _quantize_rows(x, q, scale, row_valid=None):
