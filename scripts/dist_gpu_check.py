@@ -215,9 +215,11 @@ def run(rank, world, local_rank, args):
                 r0 = out.clone()
                 dist.broadcast(r0, src=0)
                 same_on_ranks = min_over_ranks(torch.equal(out, r0), device)
-            ms, parts = time_arm(lambda: layer(x, w, ids, precision=prec), layer.timeline, stages, args.iters, args.warmup)
-            ms_1gpu, _ = time_arm(lambda: mxmoe.fused_moe(x, single, w, ids, precision=prec), None, {}, args.iters,
-                                  args.warmup)
+            # (the arm's tensors bound as defaults: the loop deletes them at the end of each arm)
+            ms, parts = time_arm(lambda layer=layer, x=x, w=w, ids=ids, prec=prec: layer(x, w, ids, precision=prec),
+                                 layer.timeline, stages, args.iters, args.warmup)
+            one_gpu = lambda x=x, w=w, ids=ids, prec=prec: mxmoe.fused_moe(x, single, w, ids, precision=prec)  # noqa: E731
+            ms_1gpu, _ = time_arm(one_gpu, None, {}, args.iters, args.warmup)
             names = sorted(parts)
             worst = max_over_ranks([ms, ms_1gpu, rel, max_diff] + [parts[n] for n in names], device)
             ms, ms_1gpu, rel, max_diff = worst[:4]
