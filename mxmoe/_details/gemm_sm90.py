@@ -33,15 +33,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-# Triton >= 3.9 renamed the cp.async copy (the old name raises there) and shared-memory views' ``_reinterpret``
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-
 from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, FOLD_REF_MAX
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # Triton 3.6 / 3.8 names
+# Triton >= 3.9 renamed the cp.async copy (the old name raises there) and made shared-memory views' reinterpret public
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit

@@ -518,7 +518,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
         _no_shared_preference(compiled)
 
 
-_L1_SET: set = set()  # CUfunction handles whose cache preference _no_shared_preference has set
+_L1_SET: set = set()  # CUfunction handles _no_shared_preference has seen
 
 
 def _no_shared_preference(compiled) -> None:
@@ -528,11 +528,11 @@ def _no_shared_preference(compiled) -> None:
     for the occupancy: H200, T=2048 (49,184 B, 3 programs per SM) GEMM1 -3 to -5 %, the call -2 to -3 %
     (docs/perf-notes.md step 27). Once per loaded kernel, outside any stream; a hint only: without libcuda, nothing."""
     function = getattr(compiled, "function", None)
-    if function is None or function in _L1_SET or compiled.metadata.shared <= 48 * 1024:
+    if function is None or function in _L1_SET:  # (every later launch of a kernel stops here)
         return
     _L1_SET.add(function)
     cuda = _libcuda()
-    if cuda is not None:
+    if compiled.metadata.shared > 48 * 1024 and cuda is not None:
         cuda.cuFuncSetCacheConfig(ctypes.c_void_p(function), 0)  # CU_FUNC_CACHE_PREFER_NONE
 
 
