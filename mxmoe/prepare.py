@@ -10,10 +10,11 @@ Layout (``PreparedExperts``):
   are placed so that one masked shift per value pair gives its BF16 sign and ``eem`` bits
   (``_details/convert.py``).
   The rows are then stored in blocks of 64 (:func:`to_row_blocks`; an expert's last block may be shorter),
-  and a block's bytes in units of U bytes of every row (U = 64, i.e. 128 K, where K % 128 == 0; else 32
-  or 16: the largest that divides K/2): unit 0 of all 64 rows, then unit 1, .. So the 64 rows x 128 K
-  (or 64 K) that a kernel's pipeline stage copies are one contiguous piece of memory instead of 64
-  pieces of 64 (32) bytes, 2 KB apart (the H200's DRAM serves it 4-20 % faster: docs/perf-notes.md step 16).
+  and a block's bytes in units of U bytes of every row (U = 32, i.e. 64 K, where K % 64 == 0; else 16):
+  unit 0 of all 64 rows, then unit 1, .. So the 64 rows x 64 K that a W4A16 pipeline stage copies are one
+  contiguous 2-KB piece of memory instead of 64 pieces of 32 bytes, 2 KB apart (docs/perf-notes.md step 16),
+  and a 128-K stage (W4A8) two adjacent ones, which the kernels keep in this order in shared memory
+  (step 28: a 64-B unit, half of it per 64-K stage, streamed 25 % slower).
   The tensor keeps the shape ``[E, 2I, H/2]``, but row r's bytes are no longer at ``[e, r, :]``;
   :meth:`PreparedExperts.source_order_weights` undoes both steps.
 * ``w13_scale`` uint8 ``[E, 2I, H/32]`` (row-major); ``w2`` uint8 ``[E, H, I/2]`` (same byte order and row
@@ -170,7 +171,7 @@ def gather_block_bits(prepared: torch.Tensor) -> torch.Tensor:
 
 def row_block_unit(k: int) -> int:
     """Bytes per row in a unit of the prepared row blocks for reduction length ``k`` (:func:`to_row_blocks`)."""
-    return 64 if k % 128 == 0 else 32 if k % 64 == 0 else 16
+    return 32 if k % 64 == 0 else 16
 
 
 def _permute_row_blocks(t: torch.Tensor, to_blocks: bool) -> torch.Tensor:

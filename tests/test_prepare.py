@@ -128,12 +128,12 @@ def test_prepared_words_place_each_value_pair_for_one_masked_shift():
 
 def test_row_blocks_place_each_byte_at_its_documented_offset():
     """to_row_blocks puts byte c of row r of expert e at e*rows*K/2 + r0*K/2 + (c//U)*h*U + (r-r0)*U + c%U
-    (r0 = 64*(r//64), h = min(64, rows - r0): the last block of an expert may be shorter; U = 64 bytes where
-    K % 128 == 0, else 32 where K % 64 == 0, else 16), which is how the kernels address it; from_row_blocks
+    (r0 = 64*(r//64), h = min(64, rows - r0): the last block of an expert may be shorter; U = 32 bytes where
+    K % 64 == 0, else 16), which is how the kernels address it; from_row_blocks
     inverts it; rows that fill whole blocks and rows that do not, every unit width."""
     from mxmoe.prepare import from_row_blocks, row_block_unit, to_row_blocks
 
-    assert [row_block_unit(k) for k in (128, 4096, 2880, 64, 96, 32)] == [64, 64, 32, 32, 16, 16]
+    assert [row_block_unit(k) for k in (128, 4096, 2880, 64, 96, 32)] == [32, 32, 32, 32, 16, 16]
     for E_, rows, kb in ((2, 128, 48), (3, 100, 32), (1, 40, 16), (2, 64, 16), (2, 130, 64), (1, 70, 192)):
         src = torch.arange(E_ * rows * kb, dtype=torch.int64)
         t = (src % 251).to(torch.uint8).reshape(E_, rows, kb)

@@ -215,7 +215,9 @@ def _weight_pointers(w_ptr, w_row0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl
     ``GATE_UP`` (the wide GEMM1): the rows ``_gate_up_rows`` of the output columns from ``col0``, up rows
     ``half_rows`` after the gate rows (both inside their 64-row blocks: ``w_row0`` and ``half_rows`` are multiples
     of 64, and col0 + 32 <= 64)."""
-    NC: gl.constexpr = BK // 32
+    # 16-B chunks per row and warp: those of one 32-B unit where a stage spans several (the registers take the units,
+    # and each warp's copy is one contiguous run)
+    NC: gl.constexpr = BK // 32 if BK // 32 < 2 or U < 32 else U // 16
     PL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NC, NC], [gl.num_warps(), 1], [1, 0])
     row_bytes = (K // 32) * 16  # = K/2, written so that the 16-B alignment of every row is visible
     pm = gl.arange(0, NH * BM, layout=gl.SliceLayout(1, PL))
@@ -283,7 +285,7 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
         SLOTS: gl.constexpr = packed.shape[0] // NH
         ROWS: gl.constexpr = NH * packed.shape[1]
         ROW_BYTES: gl.constexpr = packed.shape[2]
-        LAYOUT: gl.constexpr = packed.layout
+        LAYOUT: gl.constexpr = _joined_layout(packed.layout, ROWS, ROW_BYTES, U, packed.shape[1])
         halves = _reinterpret(packed, gl.uint8, [SLOTS, ROWS, ROW_BYTES], LAYOUT)
         _async_load(halves.index(slot), w_ptrs + _step_offset(step, BK, U))
     if PART != 2 and not JOINED:
@@ -612,13 +614,51 @@ def _fragment_bytes_layout(BM, BK):
     return gl.DistributedLinearLayout(regs, lanes, [[16, 0, 0, 0], [32, 0, 0, 0]], [], [BM, BK // 32, 4, 4])
 
 
+@gluon.constexpr_function
+def _packed_layout(rows, row_elems, unit_elems, block_rows=64, splits=()):
+    """Shared layout of packed tiles [rows, row_elems] (elements of 1 or 4 bytes) as ``prepare.to_row_blocks`` orders
+    them: row-major where one unit holds a row's elements of the stage, else each ``block_rows``-row block as
+    [unit][row][unit_elems], so that a warp's 16-B copies of one unit's rows land in one contiguous run.
+    ``splits``: the columns split into dimensions of these sizes (innermost last), e.g. (NB, 4, 4) for [rows, NB, 4, 4]."""
+    if row_elems <= unit_elems:
+        assert not splits
+        return gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    log2 = lambda n: n.bit_length() - 1
+    bases = [[0, 1 << i] for i in range(log2(unit_elems))]
+    bases += [[1 << j, 0] for j in range(log2(block_rows))]
+    bases += [[0, unit_elems << i] for i in range(log2(row_elems // unit_elems))]
+    bases += [[block_rows << j, 0] for j in range(log2(rows // block_rows))]
+    if splits:
+        def split(col):
+            out = []
+            for size in reversed(splits):
+                out.append(col % size)
+                col //= size
+            return out[::-1]
+        bases = [[r] + split(c) for r, c in bases]
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.constexpr_function
+def _joined_layout(layout, rows, row_bytes, unit, block_rows):
+    """The layout of a slot's halves viewed as one [rows, row_bytes] tile (``_issue_stage``'s ``JOINED``)."""
+    if isinstance(layout, gl.SwizzledSharedLayout):
+        return layout
+    return _packed_layout(rows, row_bytes, unit, block_rows)
+
+
 @gluon.jit
-def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constexpr):
-    """A stage's packed [BM, BK/2] E2M1 (shared) -> one FP8 register operand [BM, 32] of wgmma per K32 block
+def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constexpr, U: gl.constexpr = 32):
+    """A stage's packed [BM, BK/2] E2M1 (shared, ``_packed_layout`` of unit ``U``) -> one FP8 register operand [BM, 32]
+    of wgmma per K32 block
     (a tuple of BK/32), E2M1 * 2**-6 in the activations' slot order (``prepare.e4m3_slot_order``):
     stored word q gives lane q's slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3."""
     NB: gl.constexpr = BK // 32
-    codes = packed_s.reshape([BM, NB, 4, 4]).load(_fragment_bytes_layout(BM, BK))
+    if BK // 2 <= U:
+        codes = packed_s.reshape([BM, NB, 4, 4]).load(_fragment_bytes_layout(BM, BK))
+    else:  # the prepared order (``_packed_layout``)
+        codes = _reinterpret(packed_s, gl.uint8, [BM, NB, 4, 4], _packed_layout(BM, BK // 2, U, 64, (NB, 4, 4))).load(
+            _fragment_bytes_layout(BM, BK))
     x, y = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_SLOTS_ASM, "=r,=r,r", [codes], dtype=(gl.uint8, gl.uint8),
                                      is_pure=True, pack=4)
     # [BM, NB, q, i, c] -> [BM, NB, c, q, i]: slot 16 c + 4 q + i of block b
@@ -638,10 +678,15 @@ def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constex
 
 
 @gluon.jit
-def _fragment_words(packed_s, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr):
-    """A stage's packed [BM, BK/2] E2M1 (shared) as int32 words [BM, BK/32, 4] in ``WL``."""
-    words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    return _reinterpret(packed_s, gl.int32, [BM, BK // 8], words).reshape([BM, BK // 32, 4]).load(WL)
+def _fragment_words(packed_s, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, U: gl.constexpr = 32):
+    """A stage's packed [BM, BK/2] E2M1 (shared, ``_packed_layout`` of unit ``U``) as int32 words [BM, BK/32, 4] in
+    ``WL``."""
+    if BK // 2 <= U:
+        words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        return _reinterpret(packed_s, gl.int32, [BM, BK // 8], words).reshape([BM, BK // 32, 4]).load(WL)
+    else:
+        return _reinterpret(packed_s, gl.int32, [BM, BK // 32, 4], _packed_layout(BM, BK // 8, U // 4, 64,
+                                                                                    (BK // 32, 4))).load(WL)
 
 
 @gluon.jit
@@ -667,10 +712,10 @@ def _small_mma_layout(BT, FP8):
 
 @gluon.jit
 def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                NUM_STAGES: gl.constexpr):
-    """One warpgroup's ``cp.async`` ring: packed weight tiles of each half, gathered activation rows and a
-    ``loaded`` barrier per stage (every thread of the warpgroup arrives)."""
-    packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                NUM_STAGES: gl.constexpr, U: gl.constexpr = 32):
+    """One warpgroup's ``cp.async`` ring: packed weight tiles of each half (``_packed_layout`` of unit ``U``), gathered
+    activation rows and a ``loaded`` barrier per stage (every thread of the warpgroup arrives)."""
+    packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * NH, BM, BK // 2], _packed_layout(BM, BK // 2, U))
     act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK], gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_STAGES):
@@ -749,9 +794,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     codes_u = codes_g
     if not FP8:
         mbarrier.wait(loaded.index(0), 0)
-        codes_g = _fragment_words(packed.index(0), BM, BK, WL)
+        codes_g = _fragment_words(packed.index(0), BM, BK, WL, U)
         if NH == 2:
-            codes_u = _fragment_words(packed.index(1), BM, BK, WL)
+            codes_u = _fragment_words(packed.index(1), BM, BK, WL, U)
     # ``SPLIT_LOOP``: the K loop in two parts, first the scale-word groups all of whose steps refill the ring, load the
     # next codes and the next scale word within these steps (no per-step tests: each costs instructions in every step),
     # then the last ones (at most NUM_STAGES - 1 steps, rounded up to a group), tested; else the tested loop alone
@@ -786,10 +831,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                             sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
                     if FP8:
                         mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-                        ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT)
+                        ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT, U)
                         ops_u = ops_g
                         if NH == 2:
-                            ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT)
+                            ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT, U)
                         for b in gl.static_range(NB):
                             xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
                             fac_g = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)),
@@ -813,9 +858,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                         if TAIL == 0 or i + 1 < num_steps:
                             t = (i + 1) % NUM_STAGES
                             mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
-                            codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL)
+                            codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL, U)
                             if NH == 2:
-                                codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL)
+                                codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL, U)
                         xb = act.index(s).permute((1, 0))
                         acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
                         if NH == 2:
@@ -1374,7 +1419,7 @@ def moe_gemm_small_kernel(
             num_k = K // BK
             MMA: gl.constexpr = _small_mma_layout(BT, FP8)
             a_dtype: gl.constexpr = a_ptr.dtype.element_ty
-            packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+            packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES, W_UNIT)
             if KSPLIT == 1:
                 first_k = 0
                 steps = num_k
@@ -1390,7 +1435,7 @@ def moe_gemm_small_kernel(
                 # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
                 # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
                 gl.static_assert(KSPLIT == 2)
-                packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES)
+                packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES, W_UNIT)
                 partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
                 done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
                 mbarrier.init(done, count=1)

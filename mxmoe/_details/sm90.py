@@ -61,7 +61,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
                  BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                 W_UNIT=64)  # the weights' unit where K % 128 == 0 (prepare.row_block_unit)
+                 W_UNIT=32)  # the weights' unit where K % 64 == 0 (prepare.row_block_unit)
     if cfg.kernel == "triton":
         kernel, source = moe_gemm_kernel, ASTSource
         const.update(PURE=False)
