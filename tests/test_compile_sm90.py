@@ -91,3 +91,38 @@ def test_operand_race_check_flags_writes_before_the_wait():
     assert not operand_races(sass(*issue, *second, "HMUL2.BF16_V2 R158, R10, R11"))
     assert not operand_races(sass(*issue, "LOP3.LUT R160, R20, 0x81c081c0, RZ, 0xc0, !PT", "STG.E [R2.64], R153",
                                   "WARPGROUP.DEPBAR.LE gsb0, 0x0", "LOP3.LUT R153, R20, 0x81c081c0, RZ, 0xc0, !PT"))
+
+
+@pytest.mark.parametrize("rows,unit,row_bytes", [(64, 32, 64), (128, 32, 64), (64, 16, 32), (128, 16, 64)])
+def test_packed_layout_is_the_prepared_order(rows, unit, row_bytes):
+    """Stages wider than a prepared unit (W4A8's 128 K, W4A16 GEMM2 on 16-row tiles) keep their packed bytes in
+    shared memory in the prepared order (``prepare.to_row_blocks``: per 64-row block, unit-major), so that a warp's
+    copy of 16 rows of one unit is one contiguous run there as in memory: the byte, word and split views the
+    small-tile kernel writes and reads through (``gemm_sm90._packed_layout``) must all map offset o to the same
+    (row, byte)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxmoe._details.gemm_sm90 import _packed_layout
+
+    def coords(layout):  # offset -> logical coordinates (the bases of a linear map over GF(2))
+        out = []
+        for o in range(1 << len(layout.offset_bases)):
+            c = [0] * len(layout.offset_bases[0])
+            for bit, basis in enumerate(layout.offset_bases):
+                if o >> bit & 1:
+                    c = [a ^ b for a, b in zip(c, basis)]
+            out.append(c)
+        return out
+
+    def prepared(r, byte):  # to_row_blocks' byte order within one stage of `rows` rows
+        return (r // 64) * 64 * row_bytes + (byte // unit) * 64 * unit + (r % 64) * unit + byte % unit
+
+    as_bytes = coords(_packed_layout(rows, row_bytes, unit))
+    assert len(as_bytes) == rows * row_bytes
+    assert [prepared(r, c) for r, c in as_bytes] == list(range(rows * row_bytes))
+    as_words = coords(_packed_layout(rows, row_bytes // 4, unit // 4))  # int32 words, offsets in words
+    assert [prepared(r, 4 * w) for r, w in as_words] == list(range(0, rows * row_bytes, 4))
+    nb = row_bytes // 16
+    as_split = coords(_packed_layout(rows, row_bytes, unit, 64, (nb, 4, 4)))  # [rows, K32 block, word, byte]
+    assert [prepared(r, 16 * b + 4 * q + i) for r, b, q, i in as_split] == list(range(rows * row_bytes))
+    # a stage that one unit holds stays row-major (the 64-K stages)
+    assert not hasattr(_packed_layout(rows, unit, unit), "offset_bases")
