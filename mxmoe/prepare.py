@@ -43,8 +43,9 @@ W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
 # the byte layout the kernels read; bumped when it changes (2: K32 blocks stored byte-transposed; 3: the bits
 # of each block's values placed for shift-and-mask conversion, interleave_block_bits), so that
 # experts prepared by another mxmoe version (e.g. unpickled) are refused instead of decoded wrongly; 4: rows in
-# blocks of 64, unit-major inside a block, to_row_blocks)
-LAYOUT_VERSION = 4
+# blocks of 64, unit-major inside a block, to_row_blocks; 5: 32-B units where K % 64 == 0, 64 B before where
+# K % 128 == 0)
+LAYOUT_VERSION = 5
 WEIGHT_BLOCK_ROWS = 64  # rows per block of the prepared weights (to_row_blocks)
 
 
