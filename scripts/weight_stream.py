@@ -70,8 +70,7 @@ for ns in [int(v) for v in sys.argv[1].split(",")] if len(sys.argv) > 1 else (3,
     for inter in (0, 1, 2):
         f = lambda: rd[(NB, nt)](src, tile_expert, out, NB=NB, STEPS=STEPS, INTER=inter, NS=ns, num_warps=4)
         k = f()
-        per_sm = min(16, props.shared_memory_per_multiprocessor // max(k.metadata.shared + 1024, 1),
-                     65536 // max(128 * max(k.n_regs, 1), 1))
+        per_sm = min(16, props.shared_memory_per_multiprocessor // (k.metadata.shared + 1024), 65536 // (128 * k.n_regs))
         ts = []
         for _ in range(3):
             ts += cuda_event_sampler(f, 20)

@@ -17,6 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ..prepare import row_block_unit
 from .gemm import moe_gemm_kernel
 from .launch import GemmConfig
 
@@ -61,7 +62,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
                N="i32", K="i32", top_k="i32", limit="fp32", alpha="fp32")
     const = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias, HAS_GSCALE=False, BM=cfg.block_m,
                  BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                 W_UNIT=32)  # the weights' unit where K % 64 == 0 (prepare.row_block_unit)
+                 W_UNIT=row_block_unit(1024))  # the prepared unit of the reference shape's K (4096 and 1024)
     if cfg.kernel == "triton":
         kernel, source = moe_gemm_kernel, ASTSource
         const.update(PURE=False)
