@@ -2,7 +2,7 @@
 
 The interpreter cannot run inline asm and the GPU is scarce, so the asm texts of
 ``mxmoe._details.convert`` are parsed and executed here instruction by instruction (and, or,
-shl, shr, shf.l.wrap, prmt with sign replication, mul.lo, mad.lo, mul.rn.bf16x2) on words covering every
+shl, shr, shf.l.wrap, prmt with sign replication, mul.lo, mad.lo, mul.rn.bf16x2, 16-bit moves) on words covering every
 byte value and compared with the exact E2M1 values. On the GPU, the kernels that use them are compared with
 the plain-Triton twins (tests/test_gpu_moe.py).
 """
@@ -63,6 +63,11 @@ def run_asm(text: str, args: list) -> list:
             lo_reg, hi_reg = (t.strip() for t in pair.strip("{").split(","))
             v = val(src_reg.strip(" ,"))
             regs[lo_reg], regs[hi_reg] = v & 0xFFFF, v >> 16
+            continue
+        if op == "mov.b32" and "{" in rest:  # pack two 16-bit registers into a 32-bit one
+            d, pair = rest.split(",", 1)
+            lo_reg, hi_reg = (t.strip() for t in pair.strip().strip("{}").split(","))
+            regs[d.strip()] = regs[lo_reg] | (regs[hi_reg] << 16)
             continue
         ops = [t.strip() for t in rest.split(",")]
         d, src = ops[0], [val(t) for t in ops[1:]]
@@ -157,6 +162,41 @@ def test_bf16_halves_asm_is_the_korder_asm_split_in_halves():
         pairs = run_asm(convert.E2M1X8_TO_BF16_KORDER_ASM.value, [word, f | (f << 16)])
         halves = run_asm(convert.E2M1X8_TO_BF16_HALVES_ASM.value, [word, f | (f << 16)])
         assert halves == [p >> (16 * h) & 0xFFFF for p in pairs for h in range(2)]
+
+
+def test_bf16_halves_lo_hi_take_one_half_of_a_paired_factor():
+    """The paired-factor forms (two blocks' factors in one word, ``gemm_sm90._paired_factors``): LO multiplies by the
+    low half, HI by the high half, exactly as the plain form with that factor in both halves."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        word = int(rng.integers(0, 2**32))
+        f_lo, f_hi = (max(253 + int(rng.integers(-40, 2)), 0) << 7 for _ in range(2))
+        paired = f_lo | (f_hi << 16)
+        assert run_asm(convert.E2M1X8_TO_BF16_HALVES_LO_ASM.value, [word, paired]) == run_asm(
+            convert.E2M1X8_TO_BF16_HALVES_ASM.value, [word, f_lo | (f_lo << 16)])
+        assert run_asm(convert.E2M1X8_TO_BF16_HALVES_HI_ASM.value, [word, paired]) == run_asm(
+            convert.E2M1X8_TO_BF16_HALVES_ASM.value, [word, f_hi | (f_hi << 16)])
+
+
+@pytest.mark.parametrize("first_block", [0, 2])
+def test_paired_factor_words_hold_each_blocks_factor(first_block):
+    """``gemm_sm90._paired_factors``: prmt(word) * 128 + the row's addend gives, in its low / high half, the BF16
+    bits of block first_block / first_block + 1's factor (the per-block form: byte * 0x00800080 + addend), for every
+    scale byte b <= ref (the range ``FOLD_REF_MAX`` keeps the field in, so no half carries into the other)."""
+    from mxmoe._details.gemm_sm90 import _pair_select
+
+    rng = np.random.default_rng(6)
+    fold_max = convert.FOLD_REF_MAX.value
+    for _ in range(300):
+        ref = int(rng.integers(0, 255))
+        b = [int(v) for v in rng.integers(0, ref + 1, 4)]
+        word = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+        addend = (fold_max - min(ref, fold_max)) * 0x00800080
+        (pair, ) = run_asm(_pair_select(first_block), [word])
+        f = (pair * 128 + addend) & MASK
+        for half in range(2):
+            per_block = (b[first_block + half] * 0x00800080 + addend) & 0xFFFF
+            assert (f >> (16 * half)) & 0xFFFF == per_block, (ref, b, half)
 
 
 def test_fp8_stored_words_give_the_activation_slot_order():

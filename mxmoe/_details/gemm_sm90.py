@@ -33,7 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .convert import E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, FOLD_REF_MAX
+from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_HALVES_HI_ASM, E2M1X8_TO_BF16_HALVES_LO_ASM,
+                      E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, FOLD_REF_MAX)
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -689,19 +690,69 @@ def _fragment_words(packed_s, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constex
                                                                                     (BK // 32, 4))).load(WL)
 
 
+@gluon.constexpr_function
+def _pair_select(b0):
+    """``prmt`` selector: bytes b0 and b0 + 1 of a word into bytes 0 and 2, zeros above each."""
+    return "prmt.b32 $0, $1, 0, %d;" % (b0 | 4 << 4 | (b0 + 1) << 8 | 4 << 12)
+
+
 @gluon.jit
-def _bf16_operand(words, f, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+def _paired_factors(word, first_block: gl.constexpr, fac0, NB: gl.constexpr, SC: gl.constexpr):
+    """The BF16x2 block factors 2**(126 + b - r) of blocks ``first_block`` .. + NB - 1 of each row's scale word
+    ``word`` ([BM], four blocks' bytes), two blocks per 32-bit word: entry j of the [BM, NB] result holds the factors of
+    blocks 2 (j // 2) and 2 (j // 2) + 1 in its low and high half (``_bf16_operand`` with ``PAIRED``). One ``prmt``
+    and one multiply-add per two blocks, against a byte extraction and a multiply-add per block (``fac0``:
+    ``_fold_addend``, the same in both halves; each half's sum stays below 2**15)."""
+    gl.static_assert(NB % 2 == 0)
+    sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
+    f = gl.zeros([word.shape[0], NB], gl.int32, SC)
+    for p in gl.static_range(NB // 2):
+        pair = gl.inline_asm_elementwise(_pair_select(first_block + 2 * p), "=r,r", [word], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+        f = gl.where((sb // 2 == p)[None, :], pair[:, None] * 128 + fac0, f)
+    return f
+
+
+@gluon.jit
+def _bf16_operand(words, f, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr,
+                  PAIRED: gl.constexpr = False):
     """Words [BM, BK/32, 4] (``_fragment_words``) -> the BF16 register operand [BM, BK] of wgmma, each K32
-    block times its BF16x2 factor ``f`` ([BM, BK/32] int32 in ``SliceLayout(2, WL)``)."""
-    f4 = gl.expand_dims(f, 2) + gl.zeros([BM, BK // 32, 4], gl.int32, WL)
+    block times its BF16x2 factor ``f`` ([BM, BK/32] int32 in ``SliceLayout(2, WL)``; ``PAIRED``: block j's factor in
+    half j % 2 of its entry, ``_paired_factors``)."""
+    NB: gl.constexpr = BK // 32
+    f4 = gl.expand_dims(f, 2) + gl.zeros([BM, NB, 4], gl.int32, WL)
     # x_{2i+c} = value c of pair i of stored word q: K 8i + 2q + c of the block
-    x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
-        E2M1X8_TO_BF16_HALVES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f4], dtype=(gl.bfloat16, ) * 8,
-        is_pure=True, pack=1)
+    if PAIRED:  # even blocks take the factor's low half, odd blocks its high half (the block index is a register bit)
+        we, wo = words.reshape([BM, NB // 2, 2, 4]).permute((0, 1, 3, 2)).split()
+        fe, fo = f4.reshape([BM, NB // 2, 2, 4]).permute((0, 1, 3, 2)).split()
+        e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+            E2M1X8_TO_BF16_HALVES_LO_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [we, fe], dtype=(gl.bfloat16, ) * 8,
+            is_pure=True, pack=1)
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            E2M1X8_TO_BF16_HALVES_HI_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wo, fo], dtype=(gl.bfloat16, ) * 8,
+            is_pure=True, pack=1)
+        x0 = _unsplit_blocks(e0, o0, BM, NB)
+        x1 = _unsplit_blocks(e1, o1, BM, NB)
+        x2 = _unsplit_blocks(e2, o2, BM, NB)
+        x3 = _unsplit_blocks(e3, o3, BM, NB)
+        x4 = _unsplit_blocks(e4, o4, BM, NB)
+        x5 = _unsplit_blocks(e5, o5, BM, NB)
+        x6 = _unsplit_blocks(e6, o6, BM, NB)
+        x7 = _unsplit_blocks(e7, o7, BM, NB)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = gl.inline_asm_elementwise(
+            E2M1X8_TO_BF16_HALVES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, f4], dtype=(gl.bfloat16, ) * 8,
+            is_pure=True, pack=1)
     w = gl.join(gl.join(gl.join(x0, x1), gl.join(x2, x3)), gl.join(gl.join(x4, x5), gl.join(x6, x7)))
     # [BM, NB, q, c, i_lo, i_hi] -> [BM, NB, i_hi, i_lo, q, c]: K = 32 b + 16 i_hi + 8 i_lo + 2 q + c
     w = w.permute((0, 1, 5, 4, 2, 3)).reshape([BM, BK])
     return gl.convert_layout(w, DOT, assert_trivial=True)
+
+
+@gluon.jit
+def _unsplit_blocks(even, odd, BM: gl.constexpr, NB: gl.constexpr):
+    """[BM, NB/2, 4] values of the even and odd blocks -> [BM, NB, 4] (the inverse of ``_bf16_operand``'s split)."""
+    return gl.join(even, odd).permute((0, 1, 3, 2)).reshape([BM, NB, 4])
 
 
 @gluon.constexpr_function
@@ -819,7 +870,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                     if TAIL == 0 or nxt < num_steps:
                         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
                                      first_step + nxt, NH, BK, U, 0, True)
-                    if SCALE_WORDS:
+                    if SCALE_WORDS and FP8:
                         shift = (8 * (g * NB + sb))[None, :]
                         sc_g = (cur_wg[:, None] >> shift) & 0xFF
                         sc_u = (cur_wu[:, None] >> shift) & 0xFF
@@ -851,8 +902,12 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                             acc_g += pg * fac_g[:, None]
                     else:
                         # BF16x2 2**(126 + b - r): one multiply-add per (row, block), no clamp (the field is in [0, 254])
-                        f_g = cur_sg * 0x00800080 + fac0_g
-                        f_u = cur_su * 0x00800080 + fac0_u
+                        if SCALE_WORDS:  # two blocks' factors per word
+                            f_g = _paired_factors(cur_wg, g * NB, fac0_g, NB, SC)
+                            f_u = _paired_factors(cur_wu, g * NB, fac0_u, NB, SC)
+                        else:
+                            f_g = cur_sg * 0x00800080 + fac0_g
+                            f_u = cur_su * 0x00800080 + fac0_u
                         cur_g = codes_g
                         cur_u = codes_u
                         if TAIL == 0 or i + 1 < num_steps:
@@ -862,9 +917,11 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                             if NH == 2:
                                 codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL, U)
                         xb = act.index(s).permute((1, 0))
-                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT), xb, acc_g, is_async=True)
+                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT, SCALE_WORDS), xb, acc_g,
+                                              is_async=True)
                         if NH == 2:
-                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT), xb, acc_u, is_async=True)
+                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT, SCALE_WORDS), xb, acc_u,
+                                                  is_async=True)
                             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
                         else:
                             acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
@@ -1076,13 +1133,14 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c
     NB: gl.constexpr = BK // 32
     s = c % S
     # BF16x2 2**(126 + b - r) per (row, block), as in _small_steps
-    f = ((cur_w[:, None] >> (shifts + 8 * g * NB)) & 0xFF) * 0x00800080 + fac0
+    f = _paired_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
     cur = codes
     if load_next:
         t = (c + 1) % S
         mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
         codes = _fragment_words(packed.index(t), BM, BK, WL)
-    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT), act.index(s).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, True), act.index(s).permute((1, 0)), acc,
+                        is_async=True)
     if refill:
         if c > 0:
             mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
