@@ -93,6 +93,29 @@ def test_operand_race_check_flags_writes_before_the_wait():
                                   "WARPGROUP.DEPBAR.LE gsb0, 0x0", "LOP3.LUT R153, R20, 0x81c081c0, RZ, 0xc0, !PT"))
 
 
+def test_operand_race_check_follows_a_loop_back_edge():
+    """A group left in flight at a loop's back edge (``WARPGROUP.DEPBAR.LE gsb0, 0x1`` before the branch) is still
+    reading its A registers when the next iteration starts: a write to them at the loop's top is flagged; with the
+    loop's wait at 0 it is not."""
+    from mxmoe._details.sm90 import operand_races
+
+    def sass(wait):
+        lines = ["MOV R152, RZ", ".L_x_1:", "LOP3.LUT R153, R20, 0x81c081c0, RZ, 0xc0, !PT", "WARPGROUP.ARRIVE",
+                 "HGMMA.64x32x16.F32.BF16 R24, R152, gdesc[UR16], R24, gsb0", f"WARPGROUP.DEPBAR.LE gsb0, {wait}",
+                 "@P0 BRA `(.L_x_1)", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT"]
+        out, i = [], 0
+        for line in lines:
+            if line.endswith(":"):
+                out.append(line)
+            else:
+                out.append(f"        /*{16 * i:04x}*/                   {line} ;")
+                i += 1
+        return "\n".join(out)
+
+    assert operand_races(sass("0x1")) == ["/*0010*/ LOP3.LUT R153, R20, 0x81c081c0, RZ, 0xc0, !PT"]
+    assert not operand_races(sass("0x0"))
+
+
 @pytest.mark.parametrize("rows,unit,row_bytes", [(64, 32, 64), (128, 32, 64), (64, 16, 32), (128, 16, 64)])
 def test_packed_layout_is_the_prepared_order(rows, unit, row_bytes):
     """Stages wider than a prepared unit (W4A8's 128 K, W4A16 GEMM2 on 16-row tiles) keep their packed bytes in

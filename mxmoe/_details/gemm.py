@@ -82,6 +82,14 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
 
 
 @triton.jit
+def _retire(acc):
+    """``acc`` through an opaque move: Triton waits for every wgmma in flight before it. Without it the W4A16 K loop
+    leaves its last wgmmas in flight into the next step (``wgmma.wait_group 7``) and ptxas gives that step's converted
+    operand their A registers, which they may still read (``sm90.operand_races``, docs/perf-notes.md step 29)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _row_block_words(w_e, row0, n_rows, K, k0, BM: tl.constexpr, BK: tl.constexpr, U: tl.constexpr):
     """int32 pointers [BK/32, BM, 4] to the prepared words of K step ``k0`` (K32 block, row, word) of an
     expert's weight rows row0 .. row0 + BM - 1 (of ``n_rows``; BM divides 64 and row0, so the rows share one
@@ -118,6 +126,11 @@ def _gemm_tile(a_ptr, a_row, row_ok, stride_a, w_e, n_rows, n0, s_base, ref_base
         if GLU:  # the up rows, ``up_off`` rows further, share the activation tile
             u_ptrs = _row_block_words(w_e, n0 + up_off, n_rows, K, k0, BM, BK, U)
             acc_u = _tile_mma(acc_u, u_ptrs, s_ptrs + up_off * (K // 32), a, ref_u, FP8, BM, BK, PURE)
+        if not (FP8 or PURE):  # the step's wgmmas retire before the next step converts (``_retire``)
+            if GLU:
+                acc_u = _retire(acc_u)
+            else:
+                acc_g = _retire(acc_g)
         a_ptrs += BK
         s_ptrs += BK // 32
     if FP8:

@@ -137,26 +137,48 @@ def operand_races(sass: str) -> list:
     """Instructions that write a register an issued wgmma still reads as its A operand (``[HQ]GMMA Rd, Ra, ...``:
     Ra .. Ra+3) before the ``WARPGROUP.DEPBAR`` that retires its group, in address order. ptxas does not keep a
     register operand alive until the wait: it reuses it once the HGMMA issued (docs/perf-notes.md step 19), so the
-    kernels are correct only while the schedule writes other registers there; this checks the schedule."""
-    found, pending, current = [], [], set()
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
-        text = re.sub(r"^@!?U?P\w+\s+", "", m.group(2).strip())
-        op, _, args = text.partition(" ")
-        if re.match(r"[HQ]GMMA\.", op):
-            a = re.match(r"\s*R\d+,\s*R(\d+)\s*,", args)
-            if a:
-                current |= set(range(int(a.group(1)), int(a.group(1)) + 4))
-            if "gsb0" in args:  # the group's last wgmma
-                pending, current = pending + [current], set()
-        elif op.startswith("WARPGROUP.DEPBAR"):  # at most n groups still in flight
-            n = int(re.search(r"0x([0-9a-f]+)", args).group(1), 16)
-            pending = pending[len(pending) - n:] if n else []
-        elif op == "EXIT":
-            pending, current = [], set()
-        elif not (op.startswith("U") or op.split(".")[0] in _NO_REGISTER_DEST):
-            d = re.match(r"\s*R(\d+)\b", args)
-            if d and set(range(int(d.group(1)), int(d.group(1)) + _dest_width(op))) & set().union(current, *pending):
-                found.append(f"/*{m.group(1)}*/ {text}")
+    kernels are correct only while the schedule writes other registers there; this checks the schedule. A group
+    still in flight at a backward branch (a loop whose wait lets the last step's wgmmas run on) is followed into the
+    loop's next iteration, from the branch target up to the branch (ptxas reuses those registers there too:
+    ``scripts/mma_probe.py``'s CONV+PIPE form, docs/perf-notes.md step 29)."""
+    instrs, labels = [], {}
+    for m in re.finditer(r"^\s*(\.L_x_\d+):|/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass, re.M):
+        if m.group(1):
+            labels[m.group(1)] = len(instrs)
+        else:
+            instrs.append((m.group(2), m.group(3).strip()))
+    found = []
+
+    def scan(first, last, pending, current, follow):
+        for idx in range(first, last):
+            addr, raw = instrs[idx]
+            text = re.sub(r"^@!?U?P\w+\s+", "", raw)
+            op, _, args = text.partition(" ")
+            if re.match(r"[HQ]GMMA\.", op):
+                a = re.match(r"\s*R\d+,\s*R(\d+)\s*,", args)
+                if a:
+                    current |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+                if "gsb0" in args:  # the group's last wgmma
+                    pending, current = pending + [current], set()
+            elif op.startswith("WARPGROUP.DEPBAR"):  # at most n groups still in flight
+                n = int(re.search(r"0x([0-9a-f]+)", args).group(1), 16)
+                pending = pending[len(pending) - n:] if n else []
+                if not follow and not pending and not current:
+                    return
+            elif op == "EXIT":
+                pending, current = [], set()
+            elif op == "BRA" and follow and (pending or current):
+                target = re.search(r"\((\.L_x_\d+)\)", args)
+                if target and labels.get(target.group(1), idx + 1) <= idx:  # a loop's back edge: its next iteration
+                    scan(labels[target.group(1)], idx, list(pending), set(current), False)
+            elif not (op.startswith("U") or op.split(".")[0] in _NO_REGISTER_DEST):
+                d = re.match(r"\s*R(\d+)\b", args)
+                if d and set(range(int(d.group(1)), int(d.group(1)) + _dest_width(op))) & set().union(current, *pending):
+                    entry = f"/*{addr}*/ {text}"
+                    if entry not in found:
+                        found.append(entry)
+
+    scan(0, len(instrs), [], set(), True)
     return found
 
 
