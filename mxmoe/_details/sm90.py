@@ -167,7 +167,7 @@ def operand_races(sass: str) -> list:
                     return
             elif op == "EXIT":
                 pending, current = [], set()
-            elif op == "BRA" and follow and (pending or current):
+            elif op.split(".")[0] == "BRA" and follow and (pending or current):
                 target = re.search(r"\((\.L_x_\d+)\)", args)
                 if target and labels.get(target.group(1), idx + 1) <= idx:  # a loop's back edge: its next iteration
                     scan(labels[target.group(1)], idx, list(pending), set(current), False)
