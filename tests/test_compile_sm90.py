@@ -3,8 +3,8 @@ serialized wgmma pipeline.
 
 Configs are the ones ``gemm_config`` picks for the reference shape, decode and prefill (plain
 template), prefill for the warp-specialized Gluon kernel (W4A16) and decode, small batches and prefill
-for the small-tile Gluon kernel, with both scale-load forms, the decode K split, GEMM2's two-block form and
-the wide W4A16 tiles
+for the small-tile Gluon kernel, with both scale-load forms, W4A16 on one K32 block per step, the decode K split,
+GEMM2's two-block form and the wide W4A16 tiles
 (``MXMOE_KERNEL=auto`` picks the Gluon kernels there). The
 compile runs in a subprocess without TRITON_INTERPRET (which the CPU test session sets, and
 which makes the kernels interpreter objects at import).
@@ -27,10 +27,10 @@ def reports():
 
 
 def test_every_config_compiled(reports):
-    assert len(reports) == 40
+    assert len(reports) == 42
     assert sum(r["kernel"] == "gluon" for r in reports) == 2
     small = [r for r in reports if r["kernel"] == "gluon_small"]
-    assert len(small) == 30
+    assert len(small) == 32
     # the one-token path without a route pack (both GEMMs, and GEMM1 with its K steps over two programs)
     assert sum(r["direct"] for r in small) == 3
     assert {r["config"]["k_parts"] for r in small if r["direct"]} == {1, 2}
@@ -41,11 +41,13 @@ def test_every_config_compiled(reports):
             and not r["fp8"]] == [(True, True, 1), (False, True, 1), (False, False, 2), (False, True, 1),
                                   (False, True, 1)]
     assert {r["config"]["scale_words"] for r in small} == {True, False}
+    # W4A16 with scale words on one K32 block per step (per-block factors) and on two or four (paired factors)
+    assert {r["config"]["block_k"] for r in small if not r["fp8"] and r["config"]["scale_words"]} == {32, 64, 128}
     assert {r["config"]["k_split"] for r in small} == {1, 2}
     assert {r["config"]["pair"] for r in small} == {True, False}
 
 
-@pytest.mark.parametrize("index", range(40))
+@pytest.mark.parametrize("index", range(42))
 def test_gemm_uses_wgmma_without_spills(reports, index):
     r = reports[index]
     expected = "QGMMA" if r["fp8"] else "HGMMA"

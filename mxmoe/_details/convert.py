@@ -139,29 +139,35 @@ E2M1X8_TO_BF16_KORDER_ASM = tl.constexpr("""{
         }""")
 """$0..$3 = BF16x2 (K 8j + 2q, K 8j + 2q + 1), j = 0..3, of the prepared word $4 (stored word q of its block),
 times the BF16x2 factor $5 (the same in both halves): 2**(126 + d) makes the placed value times 2**d."""
+
+
 def _bf16_halves_asm(factor_half=None):
-    """The asm of ``E2M1X8_TO_BF16_HALVES_ASM``; ``factor_half`` 0 or 1: the factor is that half of $9 (two blocks'
-    factors in one word, ``gemm_sm90._paired_factors``), which ptxas takes as the multiply's .H0_H0 / .H1_H1 operand."""
-    pre, f = "", "$9"
+    """The asm of ``E2M1X8_TO_BF16_HALVES_ASM``; ``factor_half`` 0 or 1: the factor is that half of $9 in both halves
+    (two blocks' factors in one word, ``gemm_sm90._paired_factors``), which ptxas takes as the multiply's .H0_H0 /
+    .H1_H1 operand: no instruction more."""
+    pre, factor = "", "$9"
     if factor_half is not None:
-        pre = ".reg .b16 fl, fh; .reg .b32 f; mov.b32 {fl, fh}, $9; mov.b32 f, {%s, %s};" % ((("fl", "fl"), ("fh", "fh"))[factor_half])
-        f = "f"
-    return ("""{
-        .reg .b32 t, u; %s
-        and.b32 t, $8, 0x81C081C0; mul.rn.bf16x2 t, t, F; mov.b32 {$0, $1}, t;
-        shl.b32 t, $8, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, F; mov.b32 {$2, $3}, t;
-        shf.l.wrap.b32 t, $8, $8, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, F; mov.b32 {$4, $5}, t;
+        half = ("fl", "fh")[factor_half]
+        pre = f".reg .b16 fl, fh; .reg .b32 f; mov.b32 {{fl, fh}}, $9; mov.b32 f, {{{half}, {half}}};"
+        factor = "f"
+    return """{
+        .reg .b32 t, u; %(pre)s
+        and.b32 t, $8, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$0, $1}, t;
+        shl.b32 t, $8, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$2, $3}, t;
+        shf.l.wrap.b32 t, $8, $8, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$4, $5}, t;
         shl.b32 t, $8, 6; and.b32 t, t, 0x80C080C0; shr.b32 u, $8, 2; and.b32 u, u, 0x01000100; or.b32 t, t, u;
-        mul.rn.bf16x2 t, t, F; mov.b32 {$6, $7}, t;
-        }""" % pre).replace("F;", f + ";")
+        mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$6, $7}, t;
+        }""" % dict(pre=pre, f=factor)
 
 
 E2M1X8_TO_BF16_HALVES_ASM = tl.constexpr(_bf16_halves_asm())
-E2M1X8_TO_BF16_HALVES_LO_ASM = tl.constexpr(_bf16_halves_asm(0))
-E2M1X8_TO_BF16_HALVES_HI_ASM = tl.constexpr(_bf16_halves_asm(1))
 """``E2M1X8_TO_BF16_KORDER_ASM`` with each BF16x2 result split into its halves: $0..$7 (16-bit) = the values
 K 8j + 2q + c (output 2j + c) of the word $8, times the BF16x2 factor $9. For a register operand built from
 separate BF16 values (Gluon has no 32-to-2x16-bit register bitcast); ptxas keeps each pair in one register."""
+E2M1X8_TO_BF16_HALVES_LO_ASM = tl.constexpr(_bf16_halves_asm(0))
+E2M1X8_TO_BF16_HALVES_HI_ASM = tl.constexpr(_bf16_halves_asm(1))
+"""``E2M1X8_TO_BF16_HALVES_ASM`` times the low (LO) or high (HI) half of $9 instead of $9 itself: $9 holds two blocks'
+factors (``gemm_sm90._paired_factors``)."""
 E2M1X8_TO_E4M3_SLOTS_ASM = tl.constexpr("""{
         .reg .b32 t, u;
         and.b32 t, $2, 0x801C801C; shl.b32 u, $2, 4; and.b32 u, u, 0x1C001C00; or.b32 t, t, u;

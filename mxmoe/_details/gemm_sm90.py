@@ -93,7 +93,8 @@ def _fold_ref(ref_ptrs):
 @gluon.jit
 def _fold_addend(ref):
     """Per row, the addend of the W4A16 block factors' BF16x2 bits, from the folded reference ``ref`` (``_fold_ref``):
-    (FOLD_REF_MAX + b - ref) * 0x00800080 = b * 0x00800080 + this, one multiply-add per (row, block)."""
+    (FOLD_REF_MAX + b - ref) * 0x00800080 = b * 0x00800080 + this, one multiply-add per (row, block) (per two blocks
+    with ``_paired_factors``)."""
     return _opaque((FOLD_REF_MAX - ref) * 0x00800080)[:, None]
 
 
@@ -700,7 +701,8 @@ def _pair_select(b0):
 def _paired_factors(word, first_block: gl.constexpr, fac0, NB: gl.constexpr, SC: gl.constexpr):
     """The BF16x2 block factors 2**(126 + b - r) of blocks ``first_block`` .. + NB - 1 of each row's scale word
     ``word`` ([BM], four blocks' bytes), two blocks per 32-bit word: entry j of the [BM, NB] result holds the factors of
-    blocks 2 (j // 2) and 2 (j // 2) + 1 in its low and high half (``_bf16_operand`` with ``PAIRED``). One ``prmt``
+    blocks first_block + 2 (j // 2) and first_block + 2 (j // 2) + 1 in its low and high half (``_bf16_operand`` with
+    ``PAIRED``). One ``prmt``
     and one multiply-add per two blocks, against a byte extraction and a multiply-add per block (``fac0``:
     ``_fold_addend``, the same in both halves; each half's sum stays below 2**15)."""
     gl.static_assert(NB % 2 == 0)
@@ -822,10 +824,12 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     acc_g = zero
     acc_u = zero
     # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
-    # row and G = 4/NB steps, its bytes taken out by shifts (one-byte loads per step crowd the
-    # memory-instruction queue, docs/perf-notes.md step 10); else NB bytes per row and step. Either is
-    # loaded one step (group of steps) before it is used.
+    # row and G = 4/NB steps (one-byte loads per step crowd the memory-instruction queue, docs/perf-notes.md step 10),
+    # W4A16 with an even NB: two blocks' factors per word straight from it (``PAIRED``, ``_paired_factors``), else
+    # its bytes taken out by shifts; without SCALE_WORDS NB bytes per row and step. Either is loaded one step (group
+    # of steps) before it is used.
     G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
+    PAIRED: gl.constexpr = SCALE_WORDS and not FP8 and NB % 2 == 0
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K) + first_step // G
     up_words = half_rows * (K // 128)
     sc_g = gl.zeros([BM, NB], gl.int32, SC)
@@ -870,7 +874,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                     if TAIL == 0 or nxt < num_steps:
                         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
                                      first_step + nxt, NH, BK, U, 0, True)
-                    if SCALE_WORDS and FP8:
+                    if SCALE_WORDS and not PAIRED:
                         shift = (8 * (g * NB + sb))[None, :]
                         sc_g = (cur_wg[:, None] >> shift) & 0xFF
                         sc_u = (cur_wu[:, None] >> shift) & 0xFF
@@ -901,8 +905,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                                 pg = warpgroup_mma_wait(0, deps=(pg, ))
                             acc_g += pg * fac_g[:, None]
                     else:
-                        # BF16x2 2**(126 + b - r): one multiply-add per (row, block), no clamp (the field is in [0, 254])
-                        if SCALE_WORDS:  # two blocks' factors per word
+                        # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no
+                        # clamp (the field is in [0, 254])
+                        if PAIRED:
                             f_g = _paired_factors(cur_wg, g * NB, fac0_g, NB, SC)
                             f_u = _paired_factors(cur_wu, g * NB, fac0_u, NB, SC)
                         else:
@@ -917,10 +922,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                             if NH == 2:
                                 codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL, U)
                         xb = act.index(s).permute((1, 0))
-                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT, SCALE_WORDS), xb, acc_g,
+                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT, PAIRED), xb, acc_g,
                                               is_async=True)
                         if NH == 2:
-                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT, SCALE_WORDS), xb, acc_u,
+                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT, PAIRED), xb, acc_u,
                                                   is_async=True)
                             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
                         else:
@@ -1132,14 +1137,18 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c
     conditions are mostly compile-time constants: a runtime test per step costs instructions in every step."""
     NB: gl.constexpr = BK // 32
     s = c % S
-    # BF16x2 2**(126 + b - r) per (row, block), as in _small_steps
-    f = _paired_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
+    # BF16x2 2**(126 + b - r) per (row, block), two blocks per word where NB is even (as in _small_steps)
+    PAIRED: gl.constexpr = NB % 2 == 0
+    if PAIRED:
+        f = _paired_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
+    else:
+        f = ((cur_w[:, None] >> (shifts + 8 * g * NB)) & 0xFF) * 0x00800080 + fac0
     cur = codes
     if load_next:
         t = (c + 1) % S
         mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
         codes = _fragment_words(packed.index(t), BM, BK, WL)
-    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, True), act.index(s).permute((1, 0)), acc,
+    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, PAIRED), act.index(s).permute((1, 0)), acc,
                         is_async=True)
     if refill:
         if c > 0:

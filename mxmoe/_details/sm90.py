@@ -165,7 +165,7 @@ def operand_races(sass: str) -> list:
                 pending = pending[len(pending) - n:] if n else []
                 if not follow and not pending and not current:
                     return
-            elif op == "EXIT":
+            elif op == "EXIT" and not raw.startswith("@"):  # (a predicated exit: the other threads go on)
                 pending, current = [], set()
             elif op.split(".")[0] == "BRA" and follow and (pending or current):
                 target = re.search(r"\((\.L_x_\d+)\)", args)
@@ -179,7 +179,7 @@ def operand_races(sass: str) -> list:
                         found.append(entry)
 
     scan(0, len(instrs), [], set(), True)
-    return found
+    return sorted(found, key=lambda entry: int(entry[2:entry.index("*/")], 16))
 
 
 def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
@@ -189,7 +189,7 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2 on their
     128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL), and at its first rows also
     with per-step scale-byte
-    loads (the form for K % 128 != 0), with the decode K split (two warpgroups) and, W4A16, without a route pack
+    loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the decode K split (two warpgroups) and, W4A16, without a route pack
     (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``)."""
     from .launch import gemm_config
 
@@ -198,6 +198,8 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
                                                           ("gluon_small", small_rows, (False, True)))
              for r in rs for fp8 in fp8s]
     cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False), False) for fp8 in (False, True)]
+    # W4A16 on one K32 block per step (an override): the per-block factors of a scale word, not the paired ones
+    cases += [("gluon_small", small_rows[0], False, dict(block_k=32), False)]
     cases += [("gluon_small", small_rows[0], fp8, dict(k_split=2, maxnreg=128), False) for fp8 in (False, True)]
     cases += [("gluon_small", small_rows[0], False, {}, True)]
     cases += [("gluon_small", small_rows[0], False, dict(k_split=1, maxnreg=0, k_parts=2), True)]  # GEMM1 only
