@@ -716,6 +716,19 @@ def _paired_factors(word, first_block: gl.constexpr, fac0, NB: gl.constexpr, SC:
 
 
 @gluon.jit
+def _scale_word_factors(word, first_block: gl.constexpr, fac0, NB: gl.constexpr, SC: gl.constexpr):
+    """W4A16's BF16x2 factors 2**(126 + b - r) of blocks ``first_block`` .. + NB - 1 of each row's scale word ``word``
+    ([BM]) as ``_bf16_operand`` takes them with ``PAIRED = NB % 2 == 0``: two blocks per word where NB is even
+    (``_paired_factors``), else each block's byte times 0x00800080 plus ``fac0`` (``_fold_addend``)."""
+    if NB % 2 == 0:
+        f = _paired_factors(word, first_block, fac0, NB, SC)
+    else:
+        shifts = 8 * (first_block + gl.arange(0, NB, layout=gl.SliceLayout(0, SC)))
+        f = ((word[:, None] >> shifts[None, :]) & 0xFF) * 0x00800080 + fac0
+    return f
+
+
+@gluon.jit
 def _bf16_operand(words, f, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr,
                   PAIRED: gl.constexpr = False):
     """Words [BM, BK/32, 4] (``_fragment_words``) -> the BF16 register operand [BM, BK] of wgmma, each K32
@@ -825,11 +838,11 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     acc_u = zero
     # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
     # row and G = 4/NB steps (one-byte loads per step crowd the memory-instruction queue, docs/perf-notes.md step 10),
-    # W4A16 with an even NB: two blocks' factors per word straight from it (``PAIRED``, ``_paired_factors``), else
-    # its bytes taken out by shifts; without SCALE_WORDS NB bytes per row and step. Either is loaded one step (group
-    # of steps) before it is used.
+    # W4A8 taking its bytes out by shifts, W4A16 its factors (``_scale_word_factors``: two blocks' per word where NB is
+    # even, ``PAIRED``); without SCALE_WORDS NB bytes per row and step. Either is loaded one step (group of steps)
+    # before it is used.
     G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
-    PAIRED: gl.constexpr = SCALE_WORDS and not FP8 and NB % 2 == 0
+    PAIRED: gl.constexpr = SCALE_WORDS and NB % 2 == 0
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K) + first_step // G
     up_words = half_rows * (K // 128)
     sc_g = gl.zeros([BM, NB], gl.int32, SC)
@@ -874,7 +887,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                     if TAIL == 0 or nxt < num_steps:
                         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
                                      first_step + nxt, NH, BK, U, 0, True)
-                    if SCALE_WORDS and not PAIRED:
+                    if SCALE_WORDS and FP8:
                         shift = (8 * (g * NB + sb))[None, :]
                         sc_g = (cur_wg[:, None] >> shift) & 0xFF
                         sc_u = (cur_wu[:, None] >> shift) & 0xFF
@@ -907,9 +920,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                     else:
                         # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no
                         # clamp (the field is in [0, 254])
-                        if PAIRED:
-                            f_g = _paired_factors(cur_wg, g * NB, fac0_g, NB, SC)
-                            f_u = _paired_factors(cur_wu, g * NB, fac0_u, NB, SC)
+                        if SCALE_WORDS:
+                            f_g = _scale_word_factors(cur_wg, g * NB, fac0_g, NB, SC)
+                            f_u = _scale_word_factors(cur_wu, g * NB, fac0_u, NB, SC)
                         else:
                             f_g = cur_sg * 0x00800080 + fac0_g
                             f_u = cur_su * 0x00800080 + fac0_u
@@ -999,7 +1012,6 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     num_k = K // BK
     col0 = HALF * C
     sm = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, SC)), N, col0)
-    shifts = (8 * gl.arange(0, NB, layout=gl.SliceLayout(0, SC)))[None, :]
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
     G: gl.constexpr = 4 // NB  # K steps per scale word
     AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
@@ -1032,7 +1044,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
-        codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+        codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                              0, num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes,
                                              BM, BK, S, U, HALF, WL, DOT)
         # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
@@ -1040,7 +1052,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
         w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
         w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
-        codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+        codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                              num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
                                              a_ptrs_n, ok_n, BM, BK, S, U, HALF, WL, DOT)
         c += num_k
@@ -1126,7 +1138,7 @@ def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl
 
 
 @gluon.jit
-def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
+def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
                U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
     """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
@@ -1138,17 +1150,13 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c
     NB: gl.constexpr = BK // 32
     s = c % S
     # BF16x2 2**(126 + b - r) per (row, block), two blocks per word where NB is even (as in _small_steps)
-    PAIRED: gl.constexpr = NB % 2 == 0
-    if PAIRED:
-        f = _paired_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
-    else:
-        f = ((cur_w[:, None] >> (shifts + 8 * g * NB)) & 0xFF) * 0x00800080 + fac0
+    f = _scale_word_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
     cur = codes
     if load_next:
         t = (c + 1) % S
         mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
         codes = _fragment_words(packed.index(t), BM, BK, WL)
-    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, PAIRED), act.index(s).permute((1, 0)), acc,
+    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), act.index(s).permute((1, 0)), acc,
                         is_async=True)
     if refill:
         if c > 0:
@@ -1161,7 +1169,7 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c
 
 
 @gluon.jit
-def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, jg0, jg1, w_ptrs,
+def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
                      HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
     """Scale-word groups ``jg0 .. jg1 - 1`` of a wide tile's K loop (ring step ``c0`` = the tile's K step 0), all of
@@ -1172,14 +1180,14 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, s
         cur_w = nxt_w
         nxt_w = gl.load(w_rows + jg + 1)
         for g in gl.static_range(G):
-            codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c0 + jg * G + g, g,
+            codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
                                     w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
                                     WL, DOT)
     return codes, acc, nxt_w
 
 
 @gluon.jit
-def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, num_k, w_ptrs, a_ptrs,
+def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                      S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
     """The last ``_wide_tail_groups`` scale-word groups of a wide tile's K loop, unrolled: which of their steps refill
@@ -1197,32 +1205,32 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, s
             c = c0 + num_k - TG * G + tg * G + g
             # the step it refills, from the tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
             if tg * G + g + S - 1 < TG * G:
-                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g, w_ptrs,
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
                                         a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
                                         BK, S, U, HALF, WL, DOT)
             elif tg * G + g + 1 < TG * G:
-                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g, w_ptrs_n,
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
                                         S, U, HALF, WL, DOT)
             else:  # the tile's last step: the next tile's first codes
-                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, shifts, fac0, c, g, w_ptrs_n,
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
                                         BK, S, U, HALF, WL, DOT)
     return codes, acc, nxt_w
 
 
 @gluon.jit
-def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
+def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                  S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
     Returns the codes loaded for the next step, the accumulator and the next scale word."""
     G: gl.constexpr = 4 // (BK // 32)  # K steps per scale word (scale words: K % 128 == 0)
-    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, 0,
+    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
                                          num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes, BM, BK,
                                          S, U, HALF, WL, DOT)
-    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c0, num_k, w_ptrs,
+    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
                             a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, HALF,
                             WL, DOT)
 
@@ -1251,7 +1259,6 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     128 registers), and the BF16 results through ``staging`` [BT, BM], so that each thread stores whole 16-B pieces
     of output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
     R: gl.constexpr = BT // 2
-    NB: gl.constexpr = BK // 32
     S: gl.constexpr = NUM_STAGES
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     HM: gl.constexpr = _small_mma_layout(BT // 2, False)  # the epilogue's halves
@@ -1265,7 +1272,6 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     n_blocks = N // (2 * BM)
     num_k = K // BK
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
-    shifts = (8 * gl.arange(0, NB, layout=gl.SliceLayout(0, SC)))[None, :]
     offs_r = gl.arange(0, BM, layout=ROWS)
     offs_e = gl.arange(0, BT, layout=EL)
     offs_o = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
@@ -1320,7 +1326,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
-        codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, shifts, fac0, c,
+        codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n,
                                          a_ptrs_n, None, BM, BK, S, U, HALF, WL, DOT)
         c += num_k

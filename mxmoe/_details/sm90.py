@@ -188,9 +188,9 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
     Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2 on their
     128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL), and at its first rows also
-    with per-step scale-byte
-    loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the decode K split (two warpgroups) and, W4A16, without a route pack
-    (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``)."""
+    with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the decode K
+    split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1 with its
+    K steps over two programs (``k_parts``)."""
     from .launch import gemm_config
 
     out = []
