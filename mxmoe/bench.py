@@ -347,6 +347,7 @@ def collect_environment(device: torch.device) -> dict:
         "python": platform.python_version(), "platform": platform.platform(),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda, "triton": _version("triton"),
         "mxmoe": __version__, "device": str(device),
+        "peers": {name: _version(name) for name in ("flashinfer-python", "humming-kernels")},
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -616,9 +617,29 @@ class FlashInferArm(Arm):
         self.w13 = self.w2 = self.s13 = self.s2 = None
 
 
+def _align_routes(flat_ids: torch.Tensor, num_experts: int, block: int, capacity: int):
+    """vLLM-style route alignment without a host sync: ``(sorted_ids, expert_ids, num_padded)`` (int32).
+
+    ``sorted_ids`` ([capacity]) lists the route ids expert by expert, each expert's run padded to ``block`` with the
+    sentinel ``R = flat_ids.numel()``; ``expert_ids`` gives each ``block``-row block's expert; ``num_padded`` ([1])
+    is the padded length in use (the kernels skip the blocks past it).
+    """
+    order, dest, ends = _group_by_expert(flat_ids, num_experts, block, capacity)
+    sorted_ids = torch.full((capacity,), flat_ids.numel(), dtype=torch.int32, device=flat_ids.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(0, capacity, block, dtype=torch.int32, device=flat_ids.device)
+    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:]
+
+
 class HummingArm(Arm):
     name = "humming"
-    what = "Humming (humming-kernels), vLLM's JIT kernel library"
+    rate = "bf16"
+    what = ("Humming (humming-kernels) indexed MoE GEMMs on the MXFP4 weights (its mxfp4 schema: the E2M1 bytes and "
+            "E8M0 scales as given, transformed once) with BF16 activations, one tuning config per GEMM from its "
+            "heuristics for the call's routed rows; included: the route alignment to its M block (torch ops, no host "
+            "sync), both GEMMs, SiLU-and-mul by its process-input kernel, the weighted top-k sum as one batched "
+            "matmul (router weights in BF16); excluded: the one-time weight transform and kernel compilation")
 
     def unavailable(self):
         if importlib.util.find_spec("humming") is None:
@@ -626,9 +647,57 @@ class HummingArm(Arm):
         return None
 
     def prepare(self, experts, shape, max_tokens):
-        raise NotImplementedError(
-            f"humming {_version('humming-kernels') or _version('humming')} is installed, but this bench has no "
-            "adapter for its MoE layer API (humming.layer.HummingMethod) yet")
+        from humming.layer import HummingLayer, HummingMethod
+        from humming.tune import get_heuristics_config
+
+        self.shape, self.configs, self.method = shape, get_heuristics_config, HummingMethod
+        w13, w2 = experts.source_order_weights()
+
+        def layer(w, scale, n, k):
+            lay = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "mxfp4"}, num_experts=shape.E,
+                               torch_dtype=torch.bfloat16).to(experts.device)
+            lay.load_from_tensors({"weight": w.contiguous(), "weight_scale": scale.contiguous()})
+            lay.transform()
+            return lay
+
+        self.l13 = layer(w13, experts.w13_scale, 2 * shape.I, shape.H)
+        self.l2 = layer(w2, experts.w2_scale, shape.H, shape.I)
+
+    def make_call(self, inp):
+        s = self.shape
+        R = inp.T * s.top_k
+        flat = inp.topk_ids.reshape(-1).long()
+        w = inp.topk_weights.view(inp.T, 1, s.top_k)
+        out = torch.empty_like(inp.x)
+        compute = {"gemm_type": "indexed"}
+        gemms = []
+        for lay in (self.l13, self.l2):
+            tuning = self.configs(lay.humming_metas[""], shape_m=R, gemm_type="indexed", device=inp.x.device)
+            block = tuning["block_shape"][0]
+            gemms.append((lay, tuning, block, -(-(R + s.E * (block - 1)) // block) * block))
+
+        def call():
+            routes = {}
+            for _, _, block, capacity in gemms:
+                if block not in routes:
+                    routes[block] = _align_routes(flat, s.E, block, capacity)
+            (l13, t13, b13, _), (l2, t2, b2, _) = gemms
+            ids13, ex13, n13 = routes[b13]
+            h = l13(inp.x, sorted_ids=ids13, expert_ids=ex13, num_tokens_padded=n13, top_k=s.top_k,
+                    compute_config=compute, tuning_config=t13)  # [R, 2I], route order
+            # SiLU(gate) * up in FP32 from the two halves, one kernel (as vLLM's silu_and_mul)
+            a, _, _ = self.method.may_process_input(l2, h, activation_type="binary_split",
+                                                    activation_impl="a / (1.0f + expf(-a)) * b")
+            ids2, ex2, n2 = routes[b2]
+            y = l2(a, sorted_ids=ids2, expert_ids=ex2, num_tokens_padded=n2, top_k=1, compute_config=compute,
+                   tuning_config=t2)  # [R, H]
+            torch.bmm(w.to(y.dtype), y.view(inp.T, s.top_k, s.H), out=out.view(inp.T, 1, s.H))
+            return out
+
+        return call
+
+    def release(self):
+        self.l13 = self.l2 = None
 
 
 def all_arms() -> list[Arm]:

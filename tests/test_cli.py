@@ -210,6 +210,16 @@ def test_group_by_expert_pads_groups():
     assert dest1.tolist() == list(range(6)) and ends1.tolist() == [2, 3, 3, 6]
 
 
+def test_align_routes_for_indexed_peers():
+    ids = torch.tensor([3, 0, 3, 1, 3, 0])  # 6 routes, 4 experts, blocks of 2 rows
+    sorted_ids, expert_ids, used = bench._align_routes(ids, 4, 2, capacity=6 + 4 * 1)
+    # expert 0: routes 1, 5; expert 1: route 3 + one pad; expert 2: nothing; expert 3: 0, 2, 4 + one pad
+    assert sorted_ids.tolist() == [1, 5, 3, 6, 0, 2, 4, 6, 6, 6]
+    assert used.tolist() == [8]
+    assert expert_ids[:4].tolist() == [0, 1, 3, 3]  # the blocks in use; past them a valid id, never read
+    assert sorted_ids.dtype == expert_ids.dtype == used.dtype == torch.int32
+
+
 def test_torch_grouped_mm_peer_matches_reference_on_cpu():
     shape = bench.Shape(4, 64, 32, 2)
     experts, _ = check.make_experts(shape.E, shape.H, shape.I, seed=3)

@@ -1,0 +1,36 @@
+"""Per-kernel device times of one `mxmoe bench` arm's call (developer tool; torch profiler, median of 5 calls).
+
+    python3 scripts/arm_kernels.py humming 1,64,1024,8192 [--min-us 5]
+
+Reference shape, the bench's weights and inputs (same seeds). Prints, per T, the number of kernels, their summed time
+and each kernel above ``--min-us``, longest first: how much of a peer's call is its GEMMs and how much the glue around them."""
+import argparse
+
+import torch
+
+from _experts import kernel_times
+from mxmoe import bench, check
+
+ap = argparse.ArgumentParser()
+ap.add_argument("arm", choices=bench.ARM_NAMES)
+ap.add_argument("tokens")
+ap.add_argument("--min-us", type=float, default=5.0)
+args = ap.parse_args()
+
+shape = bench.Shape(288, 4096, 1024, 8)
+device = torch.device("cuda")
+experts, _ = check.make_experts(shape.E, shape.H, shape.I, seed=0, device=device, gen_device=device)
+arm = next(a for a in bench.all_arms() if a.name == args.arm)
+if arm.unavailable():
+    raise SystemExit(arm.unavailable())
+tokens = [int(t) for t in args.tokens.split(",")]
+arm.prepare(experts, shape, max(tokens))
+for T in tokens:
+    fn = arm.make_call(bench.make_inputs(shape, T, device, seed=1))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = kernel_times(fn)
+    print(f"T={T}: {len(times)} kernels, {sum(t for _, t in times):.0f} us in all; "
+          + ", ".join(f"{name[:48]} {t:.1f}" for name, t in sorted(times, key=lambda nt: -nt[1]) if t >= args.min_us),
+          flush=True)
