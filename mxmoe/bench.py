@@ -617,13 +617,15 @@ class FlashInferArm(Arm):
         self.w13 = self.w2 = self.s13 = self.s2 = None
 
 
-def _align_routes(flat_ids: torch.Tensor, num_experts: int, block: int, capacity: int):
+def _align_routes(flat_ids: torch.Tensor, num_experts: int, block: int):
     """vLLM-style route alignment without a host sync: ``(sorted_ids, expert_ids, num_padded)`` (int32).
 
-    ``sorted_ids`` ([capacity]) lists the route ids expert by expert, each expert's run padded to ``block`` with the
-    sentinel ``R = flat_ids.numel()``; ``expert_ids`` gives each ``block``-row block's expert; ``num_padded`` ([1])
-    is the padded length in use (the kernels skip the blocks past it).
+    ``sorted_ids`` lists the route ids expert by expert, each expert's run padded to ``block`` with the sentinel
+    ``R = flat_ids.numel()``, in room for the worst case (``R + E * (block - 1)`` rounded up to a block);
+    ``expert_ids`` gives each ``block``-row block's expert; ``num_padded`` ([1]) is the padded length in use (the
+    kernels skip the blocks past it).
     """
+    capacity = -(-(flat_ids.numel() + num_experts * (block - 1)) // block) * block
     order, dest, ends = _group_by_expert(flat_ids, num_experts, block, capacity)
     sorted_ids = torch.full((capacity,), flat_ids.numel(), dtype=torch.int32, device=flat_ids.device)
     sorted_ids[dest] = order.to(torch.int32)
@@ -647,10 +649,9 @@ class HummingArm(Arm):
         return None
 
     def prepare(self, experts, shape, max_tokens):
-        from humming.layer import HummingLayer, HummingMethod
-        from humming.tune import get_heuristics_config
+        from humming.layer import HummingLayer
 
-        self.shape, self.configs, self.method = shape, get_heuristics_config, HummingMethod
+        self.shape = shape
         w13, w2 = experts.source_order_weights()
 
         def layer(w, scale, n, k):
@@ -664,33 +665,27 @@ class HummingArm(Arm):
         self.l2 = layer(w2, experts.w2_scale, shape.H, shape.I)
 
     def make_call(self, inp):
+        from humming.layer import HummingMethod
+        from humming.tune import get_heuristics_config
+
         s = self.shape
-        R = inp.T * s.top_k
         flat = inp.topk_ids.reshape(-1).long()
         w = inp.topk_weights.view(inp.T, 1, s.top_k)
         out = torch.empty_like(inp.x)
         compute = {"gemm_type": "indexed"}
-        gemms = []
-        for lay in (self.l13, self.l2):
-            tuning = self.configs(lay.humming_metas[""], shape_m=R, gemm_type="indexed", device=inp.x.device)
-            block = tuning["block_shape"][0]
-            gemms.append((lay, tuning, block, -(-(R + s.E * (block - 1)) // block) * block))
+        # each GEMM's tile config from Humming's heuristics for the routed rows; its M block sets the route alignment
+        t13, t2 = (get_heuristics_config(lay.humming_metas[""], shape_m=inp.T * s.top_k, gemm_type="indexed",
+                                         device=inp.x.device) for lay in (self.l13, self.l2))
+        b13, b2 = t13["block_shape"][0], t2["block_shape"][0]
+        keys = ("sorted_ids", "expert_ids", "num_tokens_padded")  # _align_routes's outputs as Humming's arguments
 
         def call():
-            routes = {}
-            for _, _, block, capacity in gemms:
-                if block not in routes:
-                    routes[block] = _align_routes(flat, s.E, block, capacity)
-            (l13, t13, b13, _), (l2, t2, b2, _) = gemms
-            ids13, ex13, n13 = routes[b13]
-            h = l13(inp.x, sorted_ids=ids13, expert_ids=ex13, num_tokens_padded=n13, top_k=s.top_k,
-                    compute_config=compute, tuning_config=t13)  # [R, 2I], route order
+            routes = {block: dict(zip(keys, _align_routes(flat, s.E, block))) for block in {b13, b2}}
+            h = self.l13(inp.x, **routes[b13], top_k=s.top_k, compute_config=compute, tuning_config=t13)  # [R, 2I]
             # SiLU(gate) * up in FP32 from the two halves, one kernel (as vLLM's silu_and_mul)
-            a, _, _ = self.method.may_process_input(l2, h, activation_type="binary_split",
-                                                    activation_impl="a / (1.0f + expf(-a)) * b")
-            ids2, ex2, n2 = routes[b2]
-            y = l2(a, sorted_ids=ids2, expert_ids=ex2, num_tokens_padded=n2, top_k=1, compute_config=compute,
-                   tuning_config=t2)  # [R, H]
+            a, _, _ = HummingMethod.may_process_input(self.l2, h, activation_type="binary_split",
+                                                      activation_impl="a / (1.0f + expf(-a)) * b")
+            y = self.l2(a, **routes[b2], top_k=1, compute_config=compute, tuning_config=t2)  # [R, H], route order
             torch.bmm(w.to(y.dtype), y.view(inp.T, s.top_k, s.H), out=out.view(inp.T, 1, s.H))
             return out
 
