@@ -551,9 +551,38 @@ def _quantize_rows(x, q, scale, row_valid=None):
                                         BLOCK_K=min(triton.next_power_of_2(K), 2048), PURE=interpreting(), num_warps=4)
 
 
+def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, precision,
+               expert_map=None, config_override: Optional[dict] = None) -> torch.Tensor:
+    """GEMM1's output per route (route pack, [W4A8: x quantization], GEMM1 + activation; no GEMM2): ``[T * top_k,
+    I]``, FP32 for W4A8 (before the intermediate's E4M3 quantization), BF16 for W4A16; masked routes' rows are
+    zero. For checks of the GEMM alone (``mxmoe check``'s GEMM-level case): arguments as ``run_fused_moe``'s,
+    already validated."""
+    T, top_k = topk_ids.shape
+    if T == 0:
+        return torch.zeros(0, experts.intermediate_size, dtype=torch.float32 if precision == "w4a8" else torch.bfloat16,
+                           device=x.device)
+    inter, pack = _run(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision, None, None,
+                       config_override, gemm2=False)
+    rows = torch.zeros(T * top_k, experts.intermediate_size, dtype=inter.dtype, device=x.device)
+    if pack is None:  # the direct path: route r in slot r * block_rows
+        slots = torch.arange(T * top_k, device=x.device) * (inter.shape[0] // max(T * top_k, 1))
+        ok = torch.ones_like(slots, dtype=torch.bool)
+    else:
+        slots = pack.route_slot.long()
+        ok = slots >= 0
+    rows[ok] = inter[slots[ok]]
+    return rows
+
+
 def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
                   out, workspace: Optional[Workspace], config_override: Optional[dict] = None):
     """The Triton path of :func:`mxmoe.fused_moe` (arguments already validated)."""
+    return _run(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision, out, workspace,
+                config_override)
+
+
+def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
+         out, workspace: Optional[Workspace], config_override: Optional[dict] = None, gemm2: bool = True):
     T, top_k = topk_ids.shape
     if out is None:
         out = torch.empty_like(x)
@@ -594,6 +623,8 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
         inter = workspace.intermediate[: max_rows * I * 4].view(torch.float32).view(max_rows, I)
         _gemm(x_q, x_scale, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
               experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
+        if not gemm2:
+            return inter, pack
         a2, a2_scale = workspace.inter_q[:max_rows], workspace.inter_scale[:max_rows]
         _quantize_rows(inter, a2, a2_scale, row_valid=pack.sorted_routes)
     else:
@@ -601,6 +632,8 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activatio
         _gemm(x, None, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
               experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
         a2, a2_scale = inter, None
+    if not gemm2:
+        return inter, pack
     routed = workspace.routed_out[:R]
     _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
           experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
