@@ -23,12 +23,14 @@ Layout (``PreparedExperts``):
 * ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
   largest scale byte). The W4A16 kernels fold ``2**(b - r)``, r = min(ref, 253), into the BF16
   weights (BF16 holds any fold exactly; ``_details.convert.FOLD_REF_MAX``) and apply ``2**(r - 127)``
-  once per row in the FP32 epilogue.
-  The W4A8 kernels need no span metadata: they run one FP8 MMA per K32 block on
-  E2M1 * 2**-6 (exact in E4M3) and scale its partial sum by the block's scale in FP32, so
-  rows of any scale span are exact.
+  once per row in the FP32 epilogue. The W4A8 kernels fold ``2**(b - ref + 6)`` into the E4M3 weights
+  (``_details/convert.py``: one byte-permute table per K32 block) and apply ``2**(ref - 133)`` per row after the
+  MMA: exact where every block with a nonzero value has b >= ref - 11 (``FOLD_SPAN``).
+* ``w13_fold`` / ``w2_fold`` int32 ``[E]``: 1 where every row of the expert folds (:func:`fold_fits`), so its tiles
+  take the W4A8 fast path; 0 sends the expert's tiles to the exact slower path (one FP32 scale application per K32
+  block), chosen here, never a clamp. :func:`fold_report` gives the fractions.
 
-About 4.25 bits per weight plus 4 bytes of metadata per row; no second copy for FP8.
+About 4.25 bits per weight plus 4 bytes of metadata per row (and 4 per expert); no second copy for FP8.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
 # of each block's values placed for shift-and-mask conversion, interleave_block_bits), so that
 # experts prepared by another mxmoe version (e.g. unpickled) are refused instead of decoded wrongly; 4: rows in
 # blocks of 64, unit-major inside a block, to_row_blocks; 5: 32-B units where K % 64 == 0, 64 B before where
-# K % 128 == 0)
-LAYOUT_VERSION = 5
+# K % 128 == 0; 6: the per-expert W4A8 fold flags)
+LAYOUT_VERSION = 6
 WEIGHT_BLOCK_ROWS = 64  # rows per block of the prepared weights (to_row_blocks)
 
 
@@ -59,12 +61,15 @@ class PreparedExperts:
     w2_scale: torch.Tensor
     w13_ref: torch.Tensor
     w2_ref: torch.Tensor
+    w13_fold: torch.Tensor
+    w2_fold: torch.Tensor
     b13: Optional[torch.Tensor]
     b2: Optional[torch.Tensor]
     w13_global_scale: Optional[torch.Tensor]
     w2_global_scale: Optional[torch.Tensor]
     source_layout: str
     source_scale_dtypes: tuple  # (w13_scale, w2_scale) dtypes as given, for unprepare_weights
+    all_fold: bool  # every expert folds in both GEMMs (w13_fold, w2_fold all 1): W4A8 launches no slower exact kernel
     layout_version: int = LAYOUT_VERSION
 
     @property
@@ -88,7 +93,7 @@ class PreparedExperts:
         parts = {
             "weights": self.w13.nbytes + self.w2.nbytes,
             "scales": self.w13_scale.nbytes + self.w2_scale.nbytes,
-            "row_metadata": self.w13_ref.nbytes + self.w2_ref.nbytes,
+            "row_metadata": self.w13_ref.nbytes + self.w2_ref.nbytes + self.w13_fold.nbytes + self.w2_fold.nbytes,
             "biases": sum(t.nbytes for t in (self.b13, self.b2, self.w13_global_scale, self.w2_global_scale) if t is not None),
         }
         n_weights = 2 * (self.w13.numel() + self.w2.numel())
@@ -233,20 +238,58 @@ def _source_bytes(prepared: torch.Tensor) -> torch.Tensor:
     return _by_expert_chunks(prepared, lambda c: gather_block_bits(from_row_blocks(c)))
 
 
+# the W4A8 activation slot of value 2j + c of a stored word q (K 8j + 2q + c of its block): 4q + this (the byte order of
+# ``_details.convert.E2M1X8_TO_E4M3_TABLE_ASM``: lane q's registers hold slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3)
+E4M3_VALUE_SLOT = (1, 3, 0, 2, 19, 17, 16, 18)
+
+
+def _e4m3_slot_k() -> list:
+    """K (in its block) of each W4A8 activation slot 0..31."""
+    k_of = [0] * 32
+    for q in range(4):
+        for v, slot in enumerate(E4M3_VALUE_SLOT):
+            k_of[4 * q + slot] = 8 * (v // 2) + 2 * q + v % 2
+    return k_of
+
+
 def e4m3_slot_order(x: torch.Tensor) -> torch.Tensor:
     """``x [..., K]`` (K a multiple of 32) with each K32 block in the order the W4A8 kernels read FP8
-    activations: K ``16 j1 + 8 j0 + 2q + c`` goes to slot ``16 j1 + 4q + 2c + (1 ^ j0 ^ j1)``. That is the
-    order in which the E4M3 conversion of prepared word q (``_details/convert.py``) lands in wgmma's FP8
-    register operand: lane q's two 32-bit registers hold slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3."""
+    activations: slot s of a block holds K ``_e4m3_slot_k()[s]`` (``E4M3_VALUE_SLOT``), the order in which the E4M3
+    conversion of prepared word q lands in wgmma's FP8 register operand."""
     shape = x.shape
-    v = x.reshape(*shape[:-1], shape[-1] // 32, 2, 2, 4, 2)  # [.., block, j1, j0, q, c]
-    v = torch.stack((v[..., 0, :, :, :].flip(-3), v[..., 1, :, :, :]), -4)  # j0 -> 1 ^ j0 ^ j1
-    return v.movedim(-3, -1).reshape(shape).contiguous()  # [.., block, j1, q, c, 1 ^ j0 ^ j1]
+    k_of = torch.tensor(_e4m3_slot_k(), device=x.device)
+    return x.reshape(*shape[:-1], shape[-1] // 32, 32)[..., k_of].reshape(shape).contiguous()
 
 
 def _row_ref(scale_u8: torch.Tensor) -> torch.Tensor:
     """Per row: the reference exponent byte (the largest scale byte), int32."""
     return scale_u8.amax(dim=-1).to(torch.int32).contiguous()
+
+
+def fold_fits(packed: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+    """Per expert of source-order packed E2M1 ``[E, rows, K/2]`` with scale bytes ``[E, rows, K/32]``: 1 (int32 ``[E]``)
+    where W4A8 can fold every K32 scale of every row into its E4M3 weights exactly, i.e. each block holding a nonzero
+    value has a scale byte at most ``FOLD_SPAN`` below its row's largest (the table's window, E4M3 normals; a block of
+    zeros converts to zeros whatever its byte)."""
+    from ._details.convert import FOLD_SPAN
+
+    E, rows, kb = packed.shape
+    out = torch.empty(E, dtype=torch.int32, device=packed.device)
+    step = max(1, _EXPERT_CHUNK_BYTES // max(rows * kb, 1))
+    for e0 in range(0, E, step):
+        w = packed[e0:e0 + step]
+        s = scale_u8[e0:e0 + step].to(torch.int32)
+        nonzero = ((w & 0x77) != 0).reshape(w.shape[0], rows, kb // 16, 16).any(-1)  # any magnitude bit in the block
+        low = s < s.amax(dim=-1, keepdim=True) - FOLD_SPAN
+        out[e0:e0 + step] = (~(nonzero & low)).flatten(1).all(-1).to(torch.int32)
+    return out
+
+
+def fold_report(experts: "PreparedExperts") -> dict:
+    """The fraction of experts (so of W4A8 tiles, which each hold one expert's rows) on the fast (folded) path, per GEMM
+    and both: ``{"w13": f, "w2": f, "both": f}``."""
+    both = (experts.w13_fold & experts.w2_fold).float().mean().item()
+    return dict(w13=experts.w13_fold.float().mean().item(), w2=experts.w2_fold.float().mean().item(), both=both)
 
 
 def _check_packed(w, s, name, rows, k):
@@ -342,9 +385,11 @@ def prepare_weights(
     w13_n = _to_gate_up(w13, w13_layout)
     s13_n = _to_gate_up(s13, w13_layout)
 
+    fold13, fold2 = fold_fits(w13, s13), fold_fits(w2, s2)
     return PreparedExperts(
         w13=_prepared_bytes(w13_n), w13_scale=s13_n, w2=_prepared_bytes(w2), w2_scale=s2.contiguous(),
-        w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2),
+        w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2), w13_fold=fold13, w2_fold=fold2,
+        all_fold=bool(fold13.all()) and bool(fold2.all()),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
         source_layout=w13_layout, source_scale_dtypes=(w13_scale.dtype, w2_scale.dtype),

@@ -2,7 +2,7 @@
 
 The interpreter cannot run inline asm and the GPU is scarce, so the asm texts of
 ``mxmoe._details.convert`` are parsed and executed here instruction by instruction (and, or,
-shl, shr, shf.l.wrap, prmt with sign replication, mul.lo, mad.lo, mul.rn.bf16x2, 16-bit moves) on words covering every
+shl, shr, shf.l.wrap, prmt with sign replication, lop3, mul.lo, mad.lo, mul.rn.bf16x2, 16-bit moves) on words covering every
 byte value and compared with the exact E2M1 values. On the GPU, the kernels that use them are compared with
 the plain-Triton twins (tests/test_gpu_moe.py).
 """
@@ -83,6 +83,11 @@ def run_asm(text: str, args: list) -> list:
             r = ((((src[1] << 32) | src[0]) << (src[2] & 31)) >> 32) & MASK
         elif op == "prmt.b32":
             r = _prmt(*src)
+        elif op == "lop3.b32":  # any function of three words, bit by bit: lut bit (a << 2 | b << 1 | c)
+            a, b, c, lut = src
+            r = 0
+            for i in range(32):
+                r |= ((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i
         elif op == "mul.lo.u32":
             r = (src[0] * src[1]) & MASK
         elif op == "mad.lo.u32":
@@ -131,14 +136,47 @@ def _e4m3_byte(value: float) -> int:
     return int(torch.tensor([value]).to(torch.float8_e4m3fn).view(torch.uint8)[0])
 
 
-def test_e4m3_slots_asm_gives_exact_e4m3_in_slot_order():
-    """Bytes of $0 then $1: values (2j + c) 2, 0, 3, 1, 4, 6, 5, 7 (``prepare.e4m3_slot_order``)."""
+# the activation slot of each value 2j + c of a stored word q (K 8j + 2q + c), as 4q + this (+ 16 from j = 2):
+# ``convert.E2M1X8_TO_E4M3_TABLE_ASM``'s byte order, written out independently of it
+_E4M3_SLOT = (1, 3, 0, 2, 19, 17, 16, 18)
+
+
+def _table_args(b: int, ref: int) -> list:
+    lo = ((12 - ref) * 0x08080800 + convert.E4M3_TABLE_LO_BASE) & MASK
+    hi = ((12 - ref) * 0x08080808 + convert.E4M3_TABLE_HI_BASE) & MASK
+    return [b] * 4 + [lo] * 4 + [hi]  # ($12 .. $14, the rest of the hi repeats, are not read)
+
+
+def _e4m3_table_bytes(word: int, table: list) -> list:
+    """The 8 output bytes of the table asm by activation slot offset (4q + i, then 16 + 4q + i: here i, then 4 + i)."""
+    lo, hi = run_asm(convert.E2M1X8_TO_E4M3_TABLE_ASM.value, [word] + table)
+    return [(lo >> (8 * i)) & 0xFF for i in range(4)] + [(hi >> (8 * i)) & 0xFF for i in range(4)]
+
+
+@pytest.mark.parametrize("ref", [0, 11, 127, 200, 254])
+def test_e4m3_table_asm_folds_every_scale_of_the_window_exactly(ref):
+    """Folded: for every scale byte b from ref - 11 to ref the table gives E2M1 * 2**(b + 6 - ref) exactly, each value
+    in its slot, signs (negative zero too) kept."""
+    rng = np.random.default_rng(ref)
+    words = _words()
+    for b in range(max(ref - convert.FOLD_SPAN, 0), ref + 1):
+        for word in (words if b in (ref, ref - 11) else [words[i] for i in rng.integers(0, len(words), 24)]):
+            got = _e4m3_table_bytes(word, _table_args(b, ref))
+            want = [None] * 8
+            for v, c in enumerate(_codes(word)):
+                byte = _e4m3_byte(float(E2M1_VALUES[c]) * 2.0**(b + 6 - ref)) | ((c >> 3) << 7)
+                want[_E4M3_SLOT[v] % 4 + 4 * (_E4M3_SLOT[v] >= 16)] = byte
+            assert got == want, (hex(word), b, ref)
+
+
+def test_e4m3_table_asm_unfolded_gives_e2m1_times_2_pow_minus_5():
+    """The rows that do not fold: scale byte 0 with the constant addends of o = 1, E2M1 * 2**-5 (every value normal)."""
+    table = [0] * 4 + [convert.E4M3_UNFOLDED_LO.value] * 4 + [convert.E4M3_UNFOLDED_HI.value]
     for word in _words():
-        lo, hi = run_asm(convert.E2M1X8_TO_E4M3_SLOTS_ASM.value, [word])
-        got = [(lo >> (8 * i)) & 0xFF for i in range(4)] + [(hi >> (8 * i)) & 0xFF for i in range(4)]
-        codes = _codes(word)
-        want = [_e4m3_byte(float(E2M1_VALUES[codes[v]]) * 2.0**-6) for v in (2, 0, 3, 1, 4, 6, 5, 7)]
-        assert got == want, hex(word)
+        want = [None] * 8
+        for v, c in enumerate(_codes(word)):
+            want[_E4M3_SLOT[v] % 4 + 4 * (_E4M3_SLOT[v] >= 16)] = _e4m3_byte(float(E2M1_VALUES[c]) * 2.0**-5) | ((c >> 3) << 7)
+        assert _e4m3_table_bytes(word, table) == want, hex(word)
 
 
 @pytest.mark.parametrize("d", [0, -1, -7, -30, -100])
@@ -199,19 +237,29 @@ def test_paired_factor_words_hold_each_blocks_factor(first_block):
             assert (f >> (16 * half)) & 0xFFFF == per_block, (ref, b, half)
 
 
+def test_e4m3_table_word_asm_is_the_packed_form():
+    """The plain template's pack=1 form reads its scale byte and addends from $3 .. $5, the Gluon form from $3, $7, $11."""
+    rng = np.random.default_rng(8)
+    for _ in range(200):
+        word, b, lo, hi = (int(v) for v in rng.integers(0, 2**32, 4, dtype=np.uint64))
+        assert run_asm(convert.E2M1X8_TO_E4M3_TABLE_WORD_ASM.value, [word, b, lo, hi]) == run_asm(
+            convert.E2M1X8_TO_E4M3_TABLE_ASM.value, [word] + [b] * 4 + [lo] * 4 + [hi])
+
+
 def test_fp8_stored_words_give_the_activation_slot_order():
     """The W4A8 converter's claim for prepared words: stored word q gives the E4M3 values of activation slots
     4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3 of ``prepare.e4m3_slot_order``."""
     from mxmoe.prepare import e4m3_slot_order, interleave_block_bits
 
     rng = np.random.default_rng(4)
+    table = [0] * 4 + [convert.E4M3_UNFOLDED_LO.value] * 4 + [convert.E4M3_UNFOLDED_HI.value]
     for _ in range(50):
         block = torch.tensor(rng.integers(0, 256, 16), dtype=torch.uint8)
         codes = [(block[k // 2].item() >> (4 * (k % 2))) & 15 for k in range(32)]
-        k_order = [_e4m3_byte(float(E2M1_VALUES[c]) * 2.0**-6) for c in codes]
+        k_order = [_e4m3_byte(float(E2M1_VALUES[c]) * 2.0**-5) | ((c >> 3) << 7) for c in codes]
         slots = e4m3_slot_order(torch.tensor(k_order)).tolist()
         stored = interleave_block_bits(block[None])[0].tolist()
         for q in range(4):
-            o0, o1 = run_asm(convert.E2M1X8_TO_E4M3_SLOTS_ASM.value, [int.from_bytes(bytes(stored[4 * q:4 * q + 4]), "little")])
-            assert [(o0 >> (8 * i)) & 0xFF for i in range(4)] == slots[4 * q:4 * q + 4]
-            assert [(o1 >> (8 * i)) & 0xFF for i in range(4)] == slots[16 + 4 * q:16 + 4 * q + 4]
+            got = _e4m3_table_bytes(int.from_bytes(bytes(stored[4 * q:4 * q + 4]), "little"), table)
+            assert got[:4] == slots[4 * q:4 * q + 4]
+            assert got[4:] == slots[16 + 4 * q:16 + 4 * q + 4]

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from mxmoe import PreparedExperts, prepare_weights, unprepare_weights
+from mxmoe import PreparedExperts, prepare_weights, quantize_mxfp4, unprepare_weights
 
 E, H, I = 3, 64, 64
 LAYOUTS = ["gate_up", "up_gate", "interleaved"]
@@ -170,7 +170,7 @@ def test_memory_reports_4_25_bits_per_weight():
     assert mem["weights"] == n_weights // 2
     assert mem["scales"] == n_weights // 32
     assert mem["bits_per_weight"] == pytest.approx(4.25)
-    assert mem["row_metadata"] == E * (2 * I + H) * 4  # one int32 reference exponent per row
+    assert mem["row_metadata"] == E * (2 * I + H) * 4 + 2 * E * 4  # an int32 reference per row, 2 fold flags per expert
     assert 4.25 < mem["bits_per_weight_all"] < 5.5
     assert mem["total"] == mem["weights"] + mem["scales"] + mem["row_metadata"] + mem["biases"]
 
@@ -200,6 +200,51 @@ def test_row_ref_for_hand_made_spans(span):
     others = torch.ones(2 * i, dtype=torch.bool)
     others[i + 2] = False
     assert (experts.w13_ref[0, others] == 120).all()
+
+
+def _one_row_experts(blocks: list, codes: int = 0x22, experts: int = 2):
+    """Experts whose w2 row 0 of expert 0 has the given per-block (scale byte, nonzero?) pairs; everything else folds."""
+    h, i = 64, 32 * len(blocks)
+    w13 = torch.full((experts, 2 * i, h // 2), codes, dtype=torch.uint8)
+    s13 = torch.full((experts, 2 * i, h // 32), 120, dtype=torch.uint8)
+    w2 = torch.full((experts, h, i // 2), codes, dtype=torch.uint8)
+    s2 = torch.full((experts, h, i // 32), 120, dtype=torch.uint8)
+    for blk, (byte, nonzero) in enumerate(blocks):
+        s2[0, 0, blk] = byte
+        w2[0, 0, 16 * blk:16 * blk + 16] = codes if nonzero else 0x88  # 0x88: two negative zeros
+    return prepare_weights(w13, s13, w2, s2)
+
+
+@pytest.mark.parametrize("span, folds", [(0, True), (11, True), (12, False), (30, False)])
+def test_fold_flag_follows_the_e4m3_window(span, folds):
+    """An expert folds (W4A8 fast path) while every nonzero block is at most 11 binades below its row's largest scale
+    (E4M3 normals hold E2M1 * 2**d for d in [-5, 6])."""
+    from mxmoe.prepare import fold_report
+
+    ex = _one_row_experts([(200, True), (200 - span, True), (199, True)])
+    assert ex.w2_fold.tolist() == [int(folds), 1]
+    assert ex.w13_fold.tolist() == [1, 1]
+    assert ex.all_fold == folds
+    assert fold_report(ex) == dict(w13=1.0, w2=0.5 + 0.5 * folds, both=0.5 + 0.5 * folds)
+
+
+def test_fold_flag_ignores_blocks_of_zeros():
+    """A block of (signed) zeros converts exactly whatever its scale byte, also byte 0 beside byte 254."""
+    ex = _one_row_experts([(254, True), (0, False), (120, False)])
+    assert ex.w2_fold.tolist() == [1, 1] and ex.all_fold
+    ex = _one_row_experts([(254, True), (0, True)])
+    assert ex.w2_fold.tolist() == [0, 1] and not ex.all_fold
+
+
+def test_gaussian_and_heavy_tailed_weights_fold():
+    """The issue's realistic cases: weights quantized from Gaussian rows and from Student-t (3 degrees of freedom) rows
+    with outlier columns all take the fast path."""
+    gen = torch.Generator().manual_seed(0)
+    t3 = torch.distributions.StudentT(3.0)
+    for make in (lambda *s: torch.randn(*s, generator=gen), lambda *s: t3.sample(s)):
+        w13, s13 = quantize_mxfp4(make(4, 128, 256))
+        w2, s2 = quantize_mxfp4(make(4, 256, 64))
+        assert prepare_weights(w13, s13, w2, s2).all_fold
 
 
 def test_row_ref_is_largest_scale_byte():

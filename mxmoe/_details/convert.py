@@ -65,13 +65,6 @@ def e2m1_to_bf16(codes, d):
 
 
 @triton.jit
-def e2m1_to_e4m3_scaled_by_2pow_minus6(codes):
-    """E2M1 codes (int32) -> E4M3 bits (uint8) of the value times 2**-6: sign to bit 7, ``eem``
-    to bits 4..2 (code 1, 0.5, becomes the E4M3 subnormal 2**-7). Exact for every code."""
-    return (((codes & 7) << 2) | ((codes & 8) << 4)).to(tl.uint8)
-
-
-@triton.jit
 def pow2(exp):
     """2.0**exp as FP32 for int32 exp in [-252, 254] (two normal factors, no exp2 approximation)."""
     lo = tl.minimum(tl.maximum(exp, -126), 127)
@@ -168,15 +161,65 @@ E2M1X8_TO_BF16_HALVES_LO_ASM = tl.constexpr(_bf16_halves_asm(0))
 E2M1X8_TO_BF16_HALVES_HI_ASM = tl.constexpr(_bf16_halves_asm(1))
 """``E2M1X8_TO_BF16_HALVES_ASM`` times the low (LO) or high (HI) half of $9 instead of $9 itself: $9 holds two blocks'
 factors (``gemm_sm90._paired_factors``)."""
-E2M1X8_TO_E4M3_SLOTS_ASM = tl.constexpr("""{
-        .reg .b32 t, u;
-        and.b32 t, $2, 0x801C801C; shl.b32 u, $2, 4; and.b32 u, u, 0x1C001C00; or.b32 t, t, u;
-        shr.b32 u, $2, 4; and.b32 u, u, 0x00800080; or.b32 $0, t, u;
-        shf.l.wrap.b32 t, $2, $2, 6; and.b32 t, t, 0x801C801C; shl.b32 u, $2, 2; and.b32 u, u, 0x10801080;
-        or.b32 t, t, u; shl.b32 u, $2, 10; and.b32 u, u, 0x0C000C00; or.b32 $1, t, u;
-        }""")
-"""$0 = E4M3 bytes of K 8 + 2q, 2q, 9 + 2q, 1 + 2q and $1 of K 16 + 2q, 24 + 2q, 17 + 2q, 25 + 2q of the
-prepared word $2 (stored word q), times 2**-6 (as ``e2m1_to_e4m3_scaled_by_2pow_minus6``: sign to bit 7,
-``eem`` to bits 4..2 of each byte): activation slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3 of
-``prepare.e4m3_slot_order``. A value's sign and ``eem`` sit 7 bits apart in the word (placed for BF16) but 3
-in E4M3, so each register is three masked shifts of the word; the slot order is the one that needs no more."""
+# W4A8 converts each prepared word to E4M3 with one byte-permute lookup per 4 values in an 8-byte table of the block's
+# magnitudes (index = ``eem`` = code & 7): table byte j = the E4M3 bits of E2M1 magnitude j times 2**(o - 6), o in [1, 12]
+# (every such value is an E4M3 normal: 0.5 * 2**-5 = 2**-6 up to 6 * 2**6 = 384). Byte j is 8 o plus a constant for
+# j >= 1 and 0 for j = 0, so the two table words are linear in o: o * 0x08080800 + 0x0C080000 and o * 0x08080808 +
+# 0x1C181410, one multiply-add each from the block's scale byte b, o = b + 12 - ref with a per-row addend
+# (``e4m3_table_addends``; mod 2**32, the bytes come out right whatever the carries in between). Folded (the fast path,
+# prepare.fold_fits): every nonzero block of the row has b >= ref - 11, so o is in range and the block scale is in the
+# E4M3 value; the epilogue applies 2**(ref - 133) per row. Unfolded (rows of wider spans): b = 0 and the addend of o = 1
+# (``E4M3_UNFOLDED_LO`` / ``_HI``), values E2M1 * 2**-5, and each block's partial sum is scaled by 2**(b - 122).
+E4M3_TABLE_LO = tl.constexpr(0x08080800)  # per unit of o (byte 0: magnitude 0 stays 0)
+E4M3_TABLE_HI = tl.constexpr(0x08080808)
+E4M3_TABLE_LO_BASE = 0x0C080000  # the bytes at o = 0 (as integers mod 2**32)
+E4M3_TABLE_HI_BASE = 0x1C181410
+FOLD_SPAN = 11  # a block folds exactly when its scale byte is at most this far below its row's largest
+E4M3_UNFOLDED_O = 1
+E4M3_UNFOLDED_LO = tl.constexpr((E4M3_UNFOLDED_O * 0x08080800 + E4M3_TABLE_LO_BASE) & 0xFFFFFFFF)
+E4M3_UNFOLDED_HI = tl.constexpr((E4M3_UNFOLDED_O * 0x08080808 + E4M3_TABLE_HI_BASE) & 0xFFFFFFFF)
+
+
+@triton.jit
+def e4m3_table_addends(ref):
+    """Per row (int32 reference exponent byte ``ref``, its largest scale byte): the addends of the two E4M3 table words
+    of ``E2M1X8_TO_E4M3_TABLE_ASM``, b * 0x08080800 + lo and b * 0x08080808 + hi for a block of scale byte b (o = b + 12
+    - ref), as uint32 (wrapping products)."""
+    o0 = (12 - ref).to(tl.uint32, bitcast=True)
+    return o0 * 0x08080800 + 0x0C080000, o0 * 0x08080808 + 0x1C181410
+
+
+@triton.jit
+def e2m1_to_e4m3(codes, o):
+    """The plain twin of the table lookup: E4M3 bits (uint8) of E2M1 codes (int32) times 2**(o - 6), o in [1, 12]
+    (int32, broadcast): magnitude 0.5 has exponent field o, e >= 1 e + o with the mantissa bit at 2; sign to bit 7."""
+    e = (codes >> 1) & 3
+    m = codes & 1
+    mag = tl.where(e == 0, m * (o << 3), ((e + o) << 3) | (m << 2))
+    return (mag | ((codes & 8) << 4)).to(tl.uint8)
+
+
+def _e4m3_table_asm(b, lo, hi):
+    return """{
+        .reg .b32 ta, tb, t, u, v, n, s, h, m;
+        mad.lo.u32 ta, %(b)s, 0x08080800, %(lo)s; mad.lo.u32 tb, %(b)s, 0x08080808, %(hi)s;
+        shr.b32 t, $2, 2; shl.b32 u, $2, 8; lop3.b32 v, u, $2, 0x03000300, 0xE4; prmt.b32 n, t, v, 0x7520;
+        and.b32 s, n, 0x77777777; prmt.b32 $0, ta, tb, s; shr.b32 h, s, 16; prmt.b32 $1, ta, tb, h;
+        shl.b32 m, n, 4; prmt.b32 s, n, m, 0xBFAE; prmt.b32 h, n, m, 0xC9D8;
+        lop3.b32 $0, $0, s, 0x80808080, 0xF8; lop3.b32 $1, $1, h, 0x80808080, 0xF8;
+        }""" % dict(b=b, lo=lo, hi=hi)
+
+
+E2M1X8_TO_E4M3_TABLE_ASM = tl.constexpr(_e4m3_table_asm("$3", "$7", "$11"))
+"""With ``pack=4`` (the 4 bytes of a prepared word as one register): $0 / $1 = the E4M3 bytes of the word's values
+in activation slots 4q .. 4q+3 / 16 + 4q .. 16 + 4q + 3 (``prepare.e4m3_slot_order``) of the prepared word $2 (stored
+word q of its block), looked up in the table of scale byte $3 with the row's addends $7 / $11 (``e4m3_table_addends``;
+$4..$6, $8..$10, $12..$14 repeat them). The word's bits are placed for BF16 (a value's sign 7 bits above its ``eem``),
+so the lookup first gathers the 8 ``eem`` fields into nibbles: ``n`` = bytes 0 and 2 of the word >> 2 (values 2, 0 and
+3, 1: K 8 + 2q, 2q, 9 + 2q, 1 + 2q) and bytes 1 and 3 of the word with bits 0, 1, 16, 17 moved up by 8 (values 6, 5, 7,
+4: the split value pair 3 made whole), the other values' signs in each nibble's top bit; then one prmt per 4 values
+into the table, and the signs (prmt in sign-replicate mode from ``n`` and ``n << 4``) merged by lop3: 15 instructions
+per 8 values, the table's 2 included (docs/perf-notes.md step 31)."""
+E2M1X8_TO_E4M3_TABLE_WORD_ASM = tl.constexpr(_e4m3_table_asm("$3", "$4", "$5"))
+"""``E2M1X8_TO_E4M3_TABLE_ASM`` with ``pack=1`` and 32-bit operands: $0 / $1 the two registers of E4M3 bytes, $2 the
+prepared word, $3 the scale byte, $4 / $5 the row's addends (the plain template's form)."""

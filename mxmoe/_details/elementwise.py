@@ -34,8 +34,12 @@ def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_
             q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
         else:
             q = v.to(tl.float8e4nv)
-        # K = 32 b + 16 j1 + 8 j0 + 2 q + c goes to slot 32 b + 16 j1 + 4 q + 2 c + (1 ^ j0 ^ j1)
-        slot = (offs & ~15) + ((offs & 6) << 1) + ((offs & 1) << 1) + (((offs >> 3) ^ (offs >> 4) ^ 1) & 1)
+        # K = 32 b + 8 j + 2 q + c goes to slot 32 b + 16 (j >> 1) + 4 q + i, i = 2c (j odd), 1 + 2c (j = 0), 3 - 2c
+        # (j = 2) (``prepare.E4M3_VALUE_SLOT``)
+        j = (offs >> 3) & 3
+        c = offs & 1
+        i = tl.where((j & 1) == 1, 2 * c, tl.where(j == 0, 1 + 2 * c, 3 - 2 * c))
+        slot = (offs & ~31) + 16 * (j >> 1) + 4 * ((offs >> 1) & 3) + i
         tl.store(q_row + slot, q, mask=offs < K)
     tl.store(scale_ptr + row, scale)
 

@@ -5,16 +5,15 @@ registers: operand A of wgmma), routed rows (tokens) the N dimension, so a decod
 be 16 rows wide. One program computes ``BM`` weight rows for one route-pack tile of ``BT``
 slots. W4A16 folds ``2**(b - ref)`` of each K32 block into the BF16 weights (exact, see
 ``convert``; relative to r = ``convert.fold_ref(ref)``) and applies ``2**(r - 127)`` per row in FP32 after
-the K loop. W4A8 runs one
-FP8 MMA per K32 block on E2M1 * 2**-6 (exact in E4M3) and scales each partial sum by the
-block's ``2**(b - 121)`` in FP32, so any span of scales is exact; the activation row scale
-is applied in the epilogue.
+the K loop. W4A8 (this template: the exact
+path for every span of scales) runs one FP8 MMA per K32 block on E2M1 * 2**-5 (exact in E4M3) and scales each
+partial sum by the block's ``2**(b - 122)`` in FP32; the activation row scale is applied in the epilogue.
 """
 import triton
 import triton.language as tl
 
-from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, e2m1_to_bf16,
-                      FOLD_REF_MAX, e2m1_to_e4m3_scaled_by_2pow_minus6, expand_blocks, fold_ref, pow2, prepared_codes,
+from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_TABLE_WORD_ASM, E4M3_UNFOLDED_HI, E4M3_UNFOLDED_LO,
+                      FOLD_REF_MAX, e2m1_to_bf16, e2m1_to_e4m3, expand_blocks, fold_ref, pow2, prepared_codes,
                       store_rounded)
 
 
@@ -35,18 +34,28 @@ def _bf16_weights(words, d, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constex
 
 
 @triton.jit
+def _slot_k(slot):
+    """K (in its block) of W4A8 activation slot ``slot`` = 16 h + 4q + i (``prepare.E4M3_VALUE_SLOT``): value pair j =
+    2h + 1 - (i & 1), member c = i >> 1 (h = 0) or (i ^ (i >> 1)) & 1 (h = 1); K = 8j + 2q + c."""
+    h = slot >> 4
+    i = slot & 3
+    c = tl.where(h == 0, i >> 1, (i ^ (i >> 1)) & 1)
+    return 8 * (2 * h + 1 - (i & 1)) + 2 * ((slot >> 2) & 3) + c
+
+
+@triton.jit
 def _e4m3_weights(words, BM: tl.constexpr, PURE: tl.constexpr):
-    """Prepared words [BM, 4] (one K32 block) -> [BM, 32] E4M3 values times 2**-6 (exact), in the activations'
-    slot order (``prepare.e4m3_slot_order``: slot 16 j1 + 4q + 2c + (1 ^ j0 ^ j1) holds K 16 j1 + 8 j0 + 2q + c)."""
+    """Prepared words [BM, 4] (one K32 block) -> [BM, 32] E4M3 values E2M1 * 2**-5 (exact, unfolded: the block scale
+    multiplies the partial sum), in the activations' slot order (``prepare.e4m3_slot_order``)."""
     if PURE:
-        slot = tl.arange(0, 32)
-        j1 = slot >> 4
-        k = 16 * j1 + 8 * ((slot ^ j1 ^ 1) & 1) + 2 * ((slot >> 2) & 3) + ((slot >> 1) & 1)
+        k = _slot_k(tl.arange(0, 32))
         codes = tl.gather(prepared_codes(words, BM, 32), tl.broadcast_to(k[None, :], (BM, 32)), 1)
-        return e2m1_to_e4m3_scaled_by_2pow_minus6(codes).to(tl.float8e4nv, bitcast=True)
-    else:  # the Gluon kernel's asm: word q -> slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3
-        lo, hi = tl.inline_asm_elementwise(E2M1X8_TO_E4M3_SLOTS_ASM, "=r,=r,r", [words], dtype=(tl.uint32, tl.uint32),
-                                           is_pure=True, pack=1)
+        return e2m1_to_e4m3(codes, 1).to(tl.float8e4nv, bitcast=True)
+    else:  # the Gluon kernels' asm with the unfolded table: word q -> slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3
+        zero = tl.zeros_like(words)
+        lo, hi = tl.inline_asm_elementwise(E2M1X8_TO_E4M3_TABLE_WORD_ASM, "=r,=r,r,r,r,r",
+                                           [words, zero, zero + E4M3_UNFOLDED_LO, zero + E4M3_UNFOLDED_HI],
+                                           dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
         regs = tl.join(lo, hi)  # [BM, q, h]
         shift = (tl.arange(0, 4) * 8).to(tl.uint32)
         b = (regs[:, :, :, None] >> shift[None, None, None, :]) & 0xFF  # [BM, q, h, i]
@@ -60,7 +69,7 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
 
     W4A16: blocks folded into BF16 relative to the row's reference exponent (BF16 holds any
     fold); the reference is applied after the K loop. W4A8 (BK = 32, one block per tile):
-    E2M1 * 2**-6 is exact in E4M3 with no fold at all, and the block scale 2**(b - 121)
+    E2M1 * 2**-5 is exact in E4M3 with no fold at all, and the block scale 2**(b - 122)
     multiplies the FP8 MMA's partial sum into the FP32 accumulator: exact for any span of
     scales, and Hopper's reduced-precision FP8 accumulation never runs past 32 products.
     """
@@ -72,7 +81,7 @@ def _tile_mma(acc, w_ptrs, s_ptrs, a, ref, FP8: tl.constexpr, BM: tl.constexpr, 
             part = tl.dot(w.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(w, a)
-        return acc + part * pow2(tl.sum(sc, axis=1) - 121)[:, None]
+        return acc + part * pow2(tl.sum(sc, axis=1) - 122)[:, None]
     else:
         w = _bf16_weights(words, sc - ref[:, None], BM, BK, PURE)
         if PURE:

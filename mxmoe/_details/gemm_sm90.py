@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_HALVES_HI_ASM, E2M1X8_TO_BF16_HALVES_LO_ASM,
-                      E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_SLOTS_ASM, FOLD_REF_MAX)
+                      E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_TABLE_ASM, E4M3_UNFOLDED_HI, E4M3_UNFOLDED_LO,
+                      FOLD_REF_MAX)
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -78,10 +79,29 @@ def _pow2(exp):
 
 @gluon.jit
 def _block_factor(b):
-    """FP32 2**(b - 121) for scale bytes b in [0, 255] (W4A8: the partial sum of E2M1 * 2**-6 times it is
-    the block's exact contribution): the exponent field b + 6 itself, inf from b = 249 on (as ``_pow2``,
-    whose two normal factors overflow there too), in two integer operations instead of ``_pow2``'s six."""
-    return (gl.minimum(b + 6, 255) << 23).to(gl.float32, bitcast=True)
+    """FP32 2**(b - 122) for scale bytes b in [0, 255] (W4A8's unfolded path: the partial sum of E2M1 * 2**-5 times it
+    is the block's exact contribution): the exponent field b + 5 itself, inf from b = 250 on (where 2**(b - 122) times
+    the largest E2M1 overflows anyway), two integer operations."""
+    return (gl.minimum(b + 5, 255) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _e4m3_addends(ref):
+    """Per row, the addends of the W4A8 fast path's E4M3 table words from its reference byte ``ref``
+    (``convert.e4m3_table_addends``): uint32 (lo, hi), wrapping products."""
+    o0 = (12 - ref).to(gl.uint32, bitcast=True)
+    return o0 * 0x08080800 + 0x0C080000, o0 * 0x08080808 + 0x1C181410
+
+
+@gluon.jit
+def _times_row_fold(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH: gl.constexpr, BM: gl.constexpr, ROWS: gl.constexpr):
+    """W4A8 fast-path accumulators times each weight row's 2**(ref - 133) (its blocks folded into E4M3 as 2**(b + 6 -
+    ref), ``convert.e4m3_table_addends``); the second half's rows start ``half_rows`` after the first's."""
+    offs_r = gl.arange(0, BM, layout=ROWS)
+    acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 133)[:, None]
+    if NH == 2:
+        acc_u = acc_u * _pow2(gl.load(ref_ptr + w_row0 + half_rows + offs_r) - 133)[:, None]
+    return acc_g, acc_u
 
 
 @gluon.jit
@@ -650,19 +670,37 @@ def _joined_layout(layout, rows, row_bytes, unit, block_rows):
 
 
 @gluon.jit
-def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constexpr, U: gl.constexpr = 32):
-    """A stage's packed [BM, BK/2] E2M1 (shared, ``_packed_layout`` of unit ``U``) -> one FP8 register operand [BM, 32]
-    of wgmma per K32 block
-    (a tuple of BK/32), E2M1 * 2**-6 in the activations' slot order (``prepare.e4m3_slot_order``):
-    stored word q gives lane q's slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3."""
+def _fragment_bytes(packed_s, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr = 32):
+    """A stage's packed [BM, BK/2] E2M1 (shared, ``_packed_layout`` of unit ``U``) as the bytes of each thread's words
+    [BM, BK/32, 4, 4] (``_fragment_bytes_layout``)."""
     NB: gl.constexpr = BK // 32
     if BK // 2 <= U:
-        codes = packed_s.reshape([BM, NB, 4, 4]).load(_fragment_bytes_layout(BM, BK))
+        return packed_s.reshape([BM, NB, 4, 4]).load(_fragment_bytes_layout(BM, BK))
     else:  # the prepared order (``_packed_layout``)
-        codes = _reinterpret(packed_s, gl.uint8, [BM, NB, 4, 4], _packed_layout(BM, BK // 2, U, 64, (NB, 4, 4))).load(
+        return _reinterpret(packed_s, gl.uint8, [BM, NB, 4, 4], _packed_layout(BM, BK // 2, U, 64, (NB, 4, 4))).load(
             _fragment_bytes_layout(BM, BK))
-    x, y = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_SLOTS_ASM, "=r,=r,r", [codes], dtype=(gl.uint8, gl.uint8),
-                                     is_pure=True, pack=4)
+
+
+@gluon.jit
+def _e4m3_operands(codes, b, lo, hi, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constexpr):
+    """A stage's packed bytes (``_fragment_bytes``) -> one FP8 register operand [BM, 32] of wgmma per K32 block (a tuple
+    of BK/32) in the activations' slot order (``prepare.e4m3_slot_order``): stored word q gives lane q's slots 4q ..
+    4q+3 and 16 + 4q .. 16 + 4q + 3, each value looked up in its block's E4M3 table (``convert.E2M1X8_TO_E4M3_TABLE_ASM``)
+    of scale byte ``b`` ([BM, BK/32] int32, any layout) with the row's addends ``lo``, ``hi`` ([BM] uint32)."""
+    NB: gl.constexpr = BK // 32
+    BL: gl.constexpr = _fragment_bytes_layout(BM, BK)
+    SB: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, BL))  # [BM, NB]
+    SR: gl.constexpr = gl.SliceLayout(1, SB)  # [BM]
+    zero = gl.zeros([BM, NB, 4, 4], gl.int32, BL)
+    zero_u = gl.zeros([BM, NB, 4, 4], gl.uint32, BL)
+    zero_b = gl.zeros([BM, NB], gl.uint32, SB)
+    b4 = gl.expand_dims(gl.expand_dims(gl.convert_layout(b, SB, assert_trivial=True), 2), 3) + zero
+    lo2 = gl.convert_layout(lo, SR, assert_trivial=True)[:, None] + zero_b
+    hi2 = gl.convert_layout(hi, SR, assert_trivial=True)[:, None] + zero_b
+    lo4 = gl.expand_dims(gl.expand_dims(lo2, 2), 3) + zero_u
+    hi4 = gl.expand_dims(gl.expand_dims(hi2, 2), 3) + zero_u
+    x, y = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_TABLE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r", [codes, b4, lo4, hi4],
+                                     dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
     # [BM, NB, q, i, c] -> [BM, NB, c, q, i]: slot 16 c + 4 q + i of block b
     w = gl.join(x, y).permute((0, 1, 4, 2, 3)).reshape([BM, NB, 32]).to(gl.float8e4nv, bitcast=True)
     if NB == 1:
@@ -672,11 +710,46 @@ def _e4m3_operands(packed_s, BM: gl.constexpr, BK: gl.constexpr, DOT: gl.constex
         return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True))
     else:
         gl.static_assert(NB == 4)
-        lo, hi = w.permute((0, 2, 1)).reshape([BM, 32, 2, 2]).split()  # blocks (0, 2) and (1, 3)
-        w0, w2 = lo.split()
-        w1, w3 = hi.split()
+        lo_b, hi_b = w.permute((0, 2, 1)).reshape([BM, 32, 2, 2]).split()  # blocks (0, 2) and (1, 3)
+        w0, w2 = lo_b.split()
+        w1, w3 = hi_b.split()
         return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True),
                 gl.convert_layout(w2, DOT, assert_trivial=True), gl.convert_layout(w3, DOT, assert_trivial=True))
+
+
+@gluon.jit
+def _fp8_chain(ops, act_s, acc, NB: gl.constexpr, use_acc=True):
+    """Issue one async FP8 wgmma per K32 block of a stage (``ops``: ``_e4m3_operands``) on the stage's activation slots
+    ``act_s`` [BT, BK], chained into ``acc`` (its first from zero where ``use_acc`` is False)."""
+    for b in gl.static_range(NB):
+        xb = act_s.slice(32 * b, 32, dim=1).permute((1, 0))
+        if b == 0:
+            acc = warpgroup_mma(ops[b], xb, acc, use_acc=use_acc, is_async=True)
+        else:
+            acc = warpgroup_mma(ops[b], xb, acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _keep_alive(x):
+    """An empty asm reading ``x`` (FP8, 4 values per register), placed after a wgmma wait: the registers of an async
+    wgmma's FP8 register operand stay live until the MMA read them. (``warpgroup_mma_wait(deps=...)`` does this for
+    16- and 32-bit operands; Triton 3.6 refuses 8-bit ones there.)"""
+    gl.inline_asm_elementwise("// $1", "=r,r", [x], dtype=gl.uint8, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _fp8_wait(acc_g, acc_u, ops_g, ops_u, NH: gl.constexpr, NB: gl.constexpr):
+    """Wait for every wgmma in flight, the register operands kept live until then (``_keep_alive``)."""
+    if NH == 2:
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+    else:
+        acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+    for b in gl.static_range(NB):
+        _keep_alive(ops_g[b])
+        if NH == 2:
+            _keep_alive(ops_u[b])
+    return acc_g, acc_u
 
 
 @gluon.jit
@@ -794,13 +867,17 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                  SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
-                 DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False):
+                 DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
+                 PROMOTE: gl.constexpr = 0):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
-    start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``). ``EARLY_WEIGHTS``:
+    start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``; W4A8 with
+    ``FOLD``: by 2**(ref - 133), ``_times_row_fold``). ``EARLY_WEIGHTS``:
     the first stages' weight copies go out before the wait for the previous kernel (whose output the
     activation rows are), the rest after it. ``SPLIT_LOOP`` (W4A16): the K loop in an untested and a tested part
-    (see the loop)."""
+    (see the loop). W4A8: ``FOLD`` (the fast path) each block's scale in its E4M3 weights, the FP8 accumulator chained
+    over the blocks of a step and, with ``PROMOTE`` = P > 0, over P steps, then added to the FP32 accumulators (P = 0:
+    over all steps); else one wgmma per block from zero, times its 2**(b - 122) into the FP32 accumulators."""
     NB: gl.constexpr = BK // 32
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
@@ -816,10 +893,21 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
     s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
     up_scales = half_rows * (K // 32)
-    fac0_g = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
-    fac0_u = fac0_g
-    if NH == 2:
-        fac0_u = _fold_addend(_fold_ref(ref_ptr + w_row0 + half_rows + sm))
+    if FP8:  # the E4M3 tables' addends (the unfolded path: constant, scale byte 0)
+        if FOLD:
+            tlo_g, thi_g = _e4m3_addends(gl.load(ref_ptr + w_row0 + sm))
+            tlo_u, thi_u = tlo_g, thi_g
+            if NH == 2:
+                tlo_u, thi_u = _e4m3_addends(gl.load(ref_ptr + w_row0 + half_rows + sm))
+        else:
+            tlo_g = gl.full([BM], E4M3_UNFOLDED_LO, gl.uint32, gl.SliceLayout(1, SC))
+            thi_g = gl.full([BM], E4M3_UNFOLDED_HI, gl.uint32, gl.SliceLayout(1, SC))
+            tlo_u, thi_u = tlo_g, thi_g
+    else:
+        fac0_g = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
+        fac0_u = fac0_g
+        if NH == 2:
+            fac0_u = _fold_addend(_fold_ref(ref_ptr + w_row0 + half_rows + sm))
 
     # prologue: stages 0 .. S-2 in flight (with EARLY_WEIGHTS their weights before the wait, the rest after it)
     for j in gl.static_range(NUM_STAGES - 1):
@@ -836,6 +924,8 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
     acc_u = zero
+    pg = zero  # W4A8 with PROMOTE: the FP8 chains' sums since their last promotion
+    pu = zero
     # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
     # row and G = 4/NB steps (one-byte loads per step crowd the memory-instruction queue, docs/perf-notes.md step 10),
     # W4A8 taking its bytes out by shifts, W4A16 its factors (``_scale_word_factors``: two blocks' per word where NB is
@@ -899,24 +989,53 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                             sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
                     if FP8:
                         mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-                        ops_g = _e4m3_operands(packed.index(s * NH), BM, BK, DOT, U)
-                        ops_u = ops_g
-                        if NH == 2:
-                            ops_u = _e4m3_operands(packed.index(s * NH + 1), BM, BK, DOT, U)
-                        for b in gl.static_range(NB):
-                            xb = act.index(s).slice(32 * b, 32, dim=1).permute((1, 0))
-                            fac_g = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)),
-                                                      ROWS)
-                            pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
-                            if NH == 2:
-                                fac_u = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1)),
-                                                          ROWS)
-                                pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
-                                pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
-                                acc_u += pu * fac_u[:, None]
+                        act_s = act.index(s)
+                        if FOLD:  # the blocks' scales in the E4M3 weights: one wgmma chain per half
+                            ops_g = _e4m3_operands(_fragment_bytes(packed.index(s * NH), BM, BK, U), cur_sg, tlo_g,
+                                                   thi_g, BM, BK, DOT)
+                            if PROMOTE > 0:  # the FP8 chains restart every PROMOTE steps, added to FP32 at the end
+                                chained = i % PROMOTE != 0  # (False: a chain starts from zero)
+                                pg = _fp8_chain(ops_g, act_s, pg, NB, chained)
                             else:
-                                pg = warpgroup_mma_wait(0, deps=(pg, ))
-                            acc_g += pg * fac_g[:, None]
+                                acc_g = _fp8_chain(ops_g, act_s, acc_g, NB)
+                            ops_u = ops_g
+                            if NH == 2:  # (converted while the gate half's MMAs run)
+                                ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), cur_su,
+                                                       tlo_u, thi_u, BM, BK, DOT)
+                                if PROMOTE > 0:
+                                    pu = _fp8_chain(ops_u, act_s, pu, NB, chained)
+                                else:
+                                    acc_u = _fp8_chain(ops_u, act_s, acc_u, NB)
+                            if PROMOTE > 0:
+                                pg, pu = _fp8_wait(pg, pu, ops_g, ops_u, NH, NB)
+                                if ((i + 1) % PROMOTE == 0) | (i + 1 == num_steps):
+                                    acc_g += pg
+                                    if NH == 2:
+                                        acc_u += pu
+                            else:
+                                acc_g, acc_u = _fp8_wait(acc_g, acc_u, ops_g, ops_u, NH, NB)
+                        else:  # unfolded (rows of wider spans): each block's partial sum times its scale in FP32
+                            no_b = gl.zeros([BM, NB], gl.int32, SC)
+                            ops_g = _e4m3_operands(_fragment_bytes(packed.index(s * NH), BM, BK, U), no_b, tlo_g, thi_g,
+                                                   BM, BK, DOT)
+                            ops_u = ops_g
+                            if NH == 2:
+                                ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), no_b, tlo_u,
+                                                       thi_u, BM, BK, DOT)
+                            for b in gl.static_range(NB):
+                                xb = act_s.slice(32 * b, 32, dim=1).permute((1, 0))
+                                fac_g = gl.convert_layout(
+                                    _block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)), ROWS)
+                                pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
+                                if NH == 2:
+                                    fac_u = gl.convert_layout(
+                                        _block_factor(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1)), ROWS)
+                                    pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
+                                    pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
+                                    acc_u += pu * fac_u[:, None]
+                                else:
+                                    pg = warpgroup_mma_wait(0, deps=(pg, ))
+                                acc_g += pg * fac_g[:, None]
                     else:
                         # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no
                         # clamp (the field is in [0, 254])
@@ -959,13 +1078,14 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
                            half_rows, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr,
                            NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                            NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr,
-                           DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False):
+                           DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
+                           PROMOTE: gl.constexpr = 0):
     """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
     (shared), then one arrive on ``done``."""
     _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, first_step, num_steps, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                SCALE_WORDS, U, False, DIRECT, SPLIT_LOOP)
+                                SCALE_WORDS, U, False, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)
     partial.index(0).store(acc_g)
     if NH == 2:
         partial.index(1).store(acc_u)
@@ -1412,7 +1532,7 @@ def moe_gemm_small_kernel(
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
     out_ptr, stride_out, topk_weights_ptr,
     N, K, top_k, limit, alpha,
-    ids_ptr, expert_map_ptr, num_global, num_experts, sum_out_ptr, stride_sum_out, counters_ptr, parts_ptr,
+    ids_ptr, expert_map_ptr, num_global, num_experts, sum_out_ptr, stride_sum_out, counters_ptr, parts_ptr, fold_ptr,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -1420,15 +1540,16 @@ def moe_gemm_small_kernel(
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
     TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1, WIDE: gl.constexpr = False,
-    SUB_TILES: gl.constexpr = 1, SPLIT_LOOP: gl.constexpr = False,
+    SUB_TILES: gl.constexpr = 1, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
+    PROMOTE: gl.constexpr = 0,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
     activation rows); each thread reads the packed bytes of exactly its wgmma register-operand words
     (``prepare.interleave_block_bits``) and converts them in registers. W4A16: BF16 with the block
-    scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): E2M1 * 2**-6 in
-    E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 121)
-    into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
+    scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): see ``FOLD``; without
+    it E2M1 * 2**-5 in E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's
+    2**(b - 122) into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
     SM count): a second warpgroup runs the second half of the K steps on its own ring, with ``SPLIT_REGS``
     registers per thread (the launch's ``maxnreg``). ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
@@ -1441,6 +1562,11 @@ def moe_gemm_small_kernel(
     (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
     no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose grid fills the SMs unevenly): grid axis 2
     splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``.
+    W4A8 ``FOLD`` (the fast path, ``fold_ptr``: the experts' ``PreparedExperts.w13_fold`` / ``w2_fold``): each block's
+    scale folded into its E4M3 weights (``convert.E2M1X8_TO_E4M3_TABLE_ASM``), the FP8 accumulator chained over K
+    (``PROMOTE`` = P > 0: over P steps at a time, each such sum added to FP32 accumulators), 2**(ref - 133) per row after
+    it; only the tiles of
+    experts whose flag is 1, and without ``FOLD`` only those whose flag is 0.
     ``WIDE`` (W4A16, ``BT`` = 256): persistent (a 1-D grid of at most one program per SM), two warpgroups
     (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of 32 output columns each; GEMM2
     ``_wide_gemm2``, 64 output columns each. ``SUB_TILES`` = 2 (GEMM2 on a pack of wide tiles): program column t takes rows
@@ -1482,6 +1608,8 @@ def moe_gemm_small_kernel(
             has_tile = pid_t // SUB_TILES < gl.load(num_tiles_ptr)
             if SUB_TILES > 1:  # a pack of SUB_TILES * BT-row tiles, BT rows per program: skip the parts without a row
                 has_tile = has_tile & (gl.load(sorted_routes_ptr + pid_t * BT) >= 0)
+            if FP8:  # the fast path takes the experts that fold, the exact slower path the others
+                has_tile = has_tile & ((gl.load(fold_ptr + gl.where(has_tile, expert, 0)) != 0) == FOLD)
         WIDTH: gl.constexpr = 2 * BM if PAIR else BM  # output columns per program
         if has_tile:
             NB: gl.constexpr = BK // 32
@@ -1503,7 +1631,7 @@ def moe_gemm_small_kernel(
                 acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
                                             loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
                                             BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT,
-                                            SPLIT_LOOP)
+                                            SPLIT_LOOP, FOLD, PROMOTE)
             else:
                 # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
                 # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
@@ -1516,11 +1644,11 @@ def moe_gemm_small_kernel(
                 acc_g, acc_u = gl.warp_specialize([
                     (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
                                     w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                    SCALE_WORDS, W_UNIT, False, DIRECT, SPLIT_LOOP)),
+                                    SCALE_WORDS, W_UNIT, False, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
                     (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
                                               loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
                                               done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
-                                              DIRECT, SPLIT_LOOP)),
+                                              DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
                 ], [4], [SPLIT_REGS])
                 mbarrier.wait(done, 0)
                 acc_g = acc_g + partial.index(0).load(MMA)
@@ -1533,6 +1661,9 @@ def moe_gemm_small_kernel(
                 if not FP8:
                     acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
                                                   gl.SliceLayout(1, MMA))
+                elif FOLD:
+                    acc_g, acc_u = _times_row_fold(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
+                                                   gl.SliceLayout(1, MMA))
                 _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
                           topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
                           HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)

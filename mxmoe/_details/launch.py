@@ -60,6 +60,8 @@ class GemmConfig:
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
     split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
     # then its last ones tested (``gemm_sm90._small_steps``)
+    promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
+    # FP32 accumulators (0: one chain over all of K)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
@@ -99,9 +101,9 @@ def gemm2_pair_fits(n: int) -> bool:
 
 
 def gluon_tile_cap(fp8: bool) -> int:
-    """Largest route tile of the Gluon kernels: W4A8 holds each K32 block's partial sums beside both
-    accumulators (the small-tile kernel needs 200-250 registers at 64 rows), so 64 routed rows; W4A16 128."""
-    return 64 if fp8 else 128
+    """Largest route tile of the small-tile Gluon kernel: 128 routed rows (W4A8's fast path folds its scales into the
+    weights: no per-block partial sums beside the accumulators)."""
+    return 128
 
 
 GLUON_VALIDATED_TRITON = ("3.6",)  # major.minor releases the Gluon kernel was measured and tested on
@@ -202,6 +204,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # spill on 64-row tiles; 64-K stages there, capped at 200 registers (H200, T=2048 0.955 -> 0.908 ms, T=8192
         # 3.08 -> 2.99 ms); 32-row tiles capped at 160 (T=1024 0.704 -> 0.622 ms). docs/perf-notes.md step 15.
         # The caps were measured on the validated Triton (3.8 spills 88 bytes under the 200 one)
+        if fp8 and bt == 128:
+            cfg.update(block_k=64 if k % 64 == 0 else cfg["block_k"], num_stages=4)
         capped = None  # (block_rows, block_k) a register cap was measured for
         if fp8 and gemm1 and cfg["block_k"] == 128 and bt in (32, 64):
             if bt == 64:
@@ -424,7 +428,7 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
     tiles), the launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default)."""
     return dict(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, SPLIT_REGS=cfg.maxnreg or 128,
                 K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop,
-                EARLY_WEIGHTS=pdl and early_weights(gemm1, cfg))
+                EARLY_WEIGHTS=pdl and early_weights(gemm1, cfg), PROMOTE=cfg.promote)
 
 
 @functools.cache
@@ -471,7 +475,22 @@ class DirectRoutes:
 
 
 def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-          gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None):
+          gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None, fold=None, all_fold=True):
+    """One GEMM launch; W4A8 on the Gluon kernels: the fast (folded) kernel on the experts whose ``fold`` flag is 1 and,
+    unless ``all_fold``, the exact unfolded kernel on the others (prepared per expert: ``prepare.fold_fits``)."""
+    if fp8 and cfg.kernel != "triton":
+        _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
+                     gemm1, swigluoai, fp8, cfg, direct, fold, True)
+        if not all_fold:
+            _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit,
+                         alpha, gemm1, swigluoai, fp8, replace(cfg, promote=0), direct, fold, False)
+    else:
+        _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
+                     gemm1, swigluoai, fp8, cfg, direct, fold, False)
+
+
+def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
+                 gemm1, swigluoai, fp8, cfg: GemmConfig, direct, fold, fold_path: bool):
     tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel() * cfg.sub_tiles
     persistent = cfg.kernel == "gluon" or cfg.wide  # at most one program per SM, walking the tiles
     width = cfg.block_m * (2 if cfg.pair or (cfg.wide and not gemm1) else 1)  # output columns per program (tile)
@@ -491,7 +510,8 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
             extra.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
             # the direct path's arguments, placeholders without it (the kernel takes them always)
             extra.update(ids_ptr=w_ref, expert_map_ptr=w_ref, num_global=0, num_experts=0, sum_out_ptr=out,
-                         stride_sum_out=0, counters_ptr=w_ref, parts_ptr=direct.part_sums if direct else out)
+                         stride_sum_out=0, counters_ptr=w_ref, parts_ptr=direct.part_sums if direct else out,
+                         fold_ptr=fold if fp8 else w_ref, FOLD=fold_path)
             if direct:
                 extra.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global,
                              num_experts=direct.num_experts, HAS_MAP=direct.expert_map is not None,
@@ -622,7 +642,8 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
         _quantize_rows(x, x_q, x_scale)
         inter = workspace.intermediate[: max_rows * I * 4].view(torch.float32).view(max_rows, I)
         _gemm(x_q, x_scale, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
-              experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
+              experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, fold=experts.w13_fold,
+              all_fold=experts.all_fold, **common)
         if not gemm2:
             return inter, pack
         a2, a2_scale = workspace.inter_q[:max_rows], workspace.inter_scale[:max_rows]
@@ -636,7 +657,8 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
         return inter, pack
     routed = workspace.routed_out[:R]
     _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
-          experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, **common)
+          experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, fold=experts.w2_fold, all_fold=experts.all_fold,
+          **common)
     block_h = min(triton.next_power_of_2(H), 1024)
     if direct and direct.sum_out is not None:
         return out  # GEMM2 summed the routes

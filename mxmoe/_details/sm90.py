@@ -49,7 +49,7 @@ def _ptxas() -> str:
 
 
 def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
-                 direct: bool = False, out_i64: bool = False, pdl: bool = True):
+                 direct: bool = False, out_i64: bool = False, pdl: bool = True, fold: bool = True):
     """``triton.compile`` the GEMM template (``cfg.kernel``: plain Triton or Gluon) for sm_90a; ``direct``: the
     small-tile kernel without a route pack (``launch.direct_routes``), with an expert map; ``out_i64``: the Gluon
     kernels' 64-bit output offsets (outputs of 2**31 elements or more); ``pdl``: the small-tile kernel as launched
@@ -78,7 +78,9 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
             from .launch import small_kernel_constexprs
             const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
             sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
-                       sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32")
+                       sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32",
+                       fold_ptr="*i32")
+            const.update(FOLD=fp8 and fold)  # W4A8: the fast (folded) kernel, else the exact unfolded one
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
             # top-k sum (launch.DIRECT_SUM) of 8 routes per token
             const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0)
