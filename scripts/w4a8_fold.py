@@ -85,7 +85,7 @@ def gemm_level(ex, ex2, T, top_k, promote):
     E, H, I = ex.num_experts, ex.hidden_size, ex.intermediate_size
     ids, w = routing(T, top_k, E)
     x = torch.randn(T, H, device=dev).bfloat16()
-    over = dict(promote=promote)
+    over = {} if promote is None else dict(promote=promote)
     g = launch.gemm1_rows(x, ex, w, ids, "swigluoai", 1e30, 0.0, "w4a8", None, over) * 2
     q, s = reference.quantize_rows_fp8(x.float())
     xq = q.double() * s.double()[:, None]
@@ -132,10 +132,10 @@ if "acc" in stages:
         ex = mxmoe.prepare_weights(**src)
         ex2 = experts_for(E, H, I, seed=3)
         for T in Ts:
-            for promote in [int(p) for p in opts.get("promote", "0,1").split(",")]:
+            for promote in [None if p == "d" else int(p) for p in opts.get("promote", "d").split(",")]:
                 e1, e2, bias1 = gemm_level(ex, ex2, T, top_k, promote)
                 emit(dict(stage="acc", shape=(E, H, I, top_k), T=T, promote=promote, gemm1=e1, gemm2=e2, bias1=bias1),
-                     f"acc {E},{H},{I},{top_k} T={T} promote={promote}: GEMM1 {e1:.2e} (bias {bias1:+.1e}) GEMM2 {e2:.2e}")
+                     f"acc {E},{H},{I},{top_k} T={T} promote={'default' if promote is None else promote}: GEMM1 {e1:.2e} (bias {bias1:+.1e}) GEMM2 {e2:.2e}")
 
 if "layer" in stages:
     cases = (((288, 4096, 1024, 8), 512, "normal", "normal"),

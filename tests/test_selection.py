@@ -148,9 +148,9 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
     (288 * 32, False, False, 4096, True),    # W4A16 GEMM2 from 32-row tiles
     (288 * 130, False, False, 4096, True),   # (above 132 rows per expert: the wide GEMM2, test_wide_tiles)
     (288 * 12, False, False, 4096, False),   # 16-row tiles: measured slower
-    (288 * 200, True, False, 4096, False),   # W4A8 from 32-row tiles: measured slower
-    (288 * 32, True, False, 4096, False),
-    (288 * 12, True, False, 4096, True),     # W4A8 on 16-row tiles
+    (288 * 200, True, False, 4096, True),    # W4A8 (its fast path) on every tile: measured faster
+    (288 * 32, True, False, 4096, True),
+    (288 * 12, True, False, 4096, True),
     (8, True, False, 4096, True),
     (288 * 200, False, False, 2880, False),  # N % 128 != 0
     (288 * 200, False, True, 1024, False),   # GEMM1 has its gate and up halves already
@@ -243,9 +243,11 @@ def test_decode_k_parts(rows, E, n, k, gemm1, fp8, sm_count, parts):
     (288 * 32, False, False, 1024, 64, 4),  # 32-row tiles: 64
     (8, False, True, 4096, 64, 4),          # W4A16 GEMM1: 64
     (8, True, False, 1024, 128, 3),         # W4A8: 128-K stages (4 K32 blocks), 3 of them up to 32-row tiles
-    (288 * 32, True, True, 4096, 128, 3),   # (W4A8 GEMM1 on 32-row tiles capped at 160 registers)
-    (288 * 64, True, True, 4096, 64, 4),    # W4A8 GEMM1 on 64-row tiles: 64 (128 spills)
+    (288 * 32, True, True, 4096, 128, 3),
+    (288 * 64, True, True, 4096, 128, 4),
     (288 * 64, True, False, 1024, 128, 4),
+    (288 * 128, True, True, 4096, 64, 4),   # W4A8 GEMM1 on 128-row tiles: its FP32 sums in shared memory
+    (288 * 128, True, False, 1024, 128, 3),
     (8, True, True, 2880, 64, 4),           # K % 128 != 0
     (8, False, False, 2880, 64, 4),
 ])
@@ -254,18 +256,8 @@ def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
 
     cfg = gemm_config(rows, 288, 4096 if not gemm1 else 1024, k, fp8, kernel="gluon_small", gemm1=gemm1)
     assert (cfg.block_k, cfg.num_stages) == (block_k, stages)
-    import triton
-
-    from mxmoe._details.launch import gluon_validated
-
-    # register caps measured on the validated Triton only
-    capped = {32: 160, 64: 200} if fp8 and gemm1 and k % 128 == 0 and gluon_validated(triton.__version__) else {}
-    assert cfg.maxnreg == capped.get(cfg.block_rows, 0)
-    if capped:  # an override of the tile drops the cap measured for the default one; an explicit cap stays
-        other = 128 if cfg.block_k == 64 else 64
-        assert gemm_config(rows, 288, 1024, k, fp8, {"block_k": other}, kernel="gluon_small", gemm1=True).maxnreg == 0
-        assert gemm_config(rows, 288, 1024, k, fp8, {"block_k": other, "maxnreg": 168}, kernel="gluon_small",
-                           gemm1=True).maxnreg == 168
+    assert cfg.maxnreg == 0  # (the register caps of the exact unfolded W4A8 kernel: launch.unfolded_config)
+    assert gemm_config(rows, 288, 1024, k, fp8, {"maxnreg": 168}, kernel="gluon_small", gemm1=True).maxnreg == 168
 
 
 @pytest.mark.parametrize("override,n,match", [
@@ -286,7 +278,8 @@ def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
                                                     (200, 128, 128)])
 def test_route_tile_height(per_expert, small, plain):
     """The small-tile Gluon kernel leaves 16-row tiles at 12 rows per expert on average (measured), the plain
-    template at 16; both take the smallest tile above the average from 32 rows on."""
+    template at 16; both take the smallest tile above the average from 32 rows on, up to 128 rows (W4A8 too: its
+    fast path holds no per-block partial sums)."""
     from mxmoe._details.launch import gemm_config, tile_rows_for
 
     rows = int(per_expert * 288)
@@ -294,7 +287,7 @@ def test_route_tile_height(per_expert, small, plain):
     for fp8 in (False, True):
         cfg = gemm_config(rows, 288, 1024, 4096, fp8, kernel="gluon_small", gemm1=True)
         wide = not fp8 and per_expert > 132  # W4A16's wide tiles (test_wide_tiles)
-        assert cfg.block_rows == (256 if wide else min(small, 64 if fp8 else 128))
+        assert cfg.block_rows == (256 if wide else min(small, 128))
 
 
 @pytest.mark.parametrize("per_expert,E,H,fp8,wide", [
@@ -418,3 +411,22 @@ def test_small_tile_kernels_over_48_kb_get_no_shared_preference(monkeypatch):
     monkeypatch.setattr(launch, "_libcuda", lambda: None)
     launch._no_shared_preference(kernel(0x4000, 81952))  # no libcuda: nothing, no error
     assert calls == [(0x1000, 0), (0x3000, 0)]
+
+
+@pytest.mark.parametrize("T", [1, 64, 1024, 2048, 4096, 8192])
+@pytest.mark.parametrize("H, I", [(4096, 1024), (2880, 2880), (7168, 2048)])
+def test_w4a8_chains_stay_within_the_promotion_length(T, H, I):
+    """The W4A8 fast path's FP8 accumulator chains never run over more than ``PROMOTE_K`` of K (SPEC §5's GEMM
+    bound), and their FP32 sums go to shared memory exactly where two 64-row chains of 128 routed rows fill the
+    registers; the exact unfolded kernel of the same pack takes at most 64 rows per program."""
+    from mxmoe._details.launch import PROMOTE_K, gemm_config, unfolded_config
+
+    for gemm1, n, k in ((True, I, H), (False, H, I)):
+        cfg = gemm_config(T * 8, 256, n, k, True, kernel="gluon_small", gemm1=gemm1, sm_count=132)
+        per_chain = (cfg.promote or k // cfg.block_k) * cfg.block_k
+        if cfg.k_split == 1:
+            assert per_chain <= max(PROMOTE_K, k) if k <= PROMOTE_K else per_chain <= PROMOTE_K
+        assert cfg.promote_smem == (cfg.promote > 0 and cfg.block_rows == 128 and (gemm1 or cfg.pair))
+        slow = unfolded_config(cfg, gemm1, k)
+        assert slow.block_rows <= 64 and slow.block_rows * slow.sub_tiles == cfg.block_rows * cfg.sub_tiles
+        assert slow.promote == 0 and not slow.promote_smem

@@ -868,7 +868,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
                  SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
                  DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
-                 PROMOTE: gl.constexpr = 0):
+                 PROMOTE: gl.constexpr = 0, PROMOTE_SMEM: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
     (``packed``, ``act``, ``loaded``): returns the FP32 accumulators of the ``NH`` halves, whose weight rows
     start ``half_rows`` apart (W4A16: still to be multiplied by 2**(r - 127) per row, ``_times_row_ref``; W4A8 with
@@ -877,7 +877,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     activation rows are), the rest after it. ``SPLIT_LOOP`` (W4A16): the K loop in an untested and a tested part
     (see the loop). W4A8: ``FOLD`` (the fast path) each block's scale in its E4M3 weights, the FP8 accumulator chained
     over the blocks of a step and, with ``PROMOTE`` = P > 0, over P steps, then added to the FP32 accumulators (P = 0:
-    over all steps); else one wgmma per block from zero, times its 2**(b - 122) into the FP32 accumulators."""
+    over all steps; ``PROMOTE_SMEM``: those in shared memory, for tiles whose chains take all the registers); else one wgmma per block from zero, times its 2**(b - 122) into the FP32 accumulators."""
     NB: gl.constexpr = BK // 32
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
@@ -926,6 +926,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     acc_u = zero
     pg = zero  # W4A8 with PROMOTE: the FP8 chains' sums since their last promotion
     pu = zero
+    if PROMOTE_SMEM:  # ... and the FP32 sums of the earlier chains in shared memory (``pg``, ``pu`` the accumulators)
+        total = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        for h in gl.static_range(NH):
+            total.index(h).store(zero)
     # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
     # row and G = 4/NB steps (one-byte loads per step crowd the memory-instruction queue, docs/perf-notes.md step 10),
     # W4A8 taking its bytes out by shifts, W4A16 its factors (``_scale_word_factors``: two blocks' per word where NB is
@@ -1008,7 +1012,13 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                                     acc_u = _fp8_chain(ops_u, act_s, acc_u, NB)
                             if PROMOTE > 0:
                                 pg, pu = _fp8_wait(pg, pu, ops_g, ops_u, NH, NB)
-                                if ((i + 1) % PROMOTE == 0) | (i + 1 == num_steps):
+                                if PROMOTE_SMEM:  # the FP32 sums in shared memory (the chains' registers are all
+                                    # there is room for); the last chain is added after the loop
+                                    if ((i + 1) % PROMOTE == 0) & (i + 1 < num_steps):
+                                        total.index(0).store(total.index(0).load(MMA) + pg)
+                                        if NH == 2:
+                                            total.index(1).store(total.index(1).load(MMA) + pu)
+                                elif ((i + 1) % PROMOTE == 0) | (i + 1 == num_steps):
                                     acc_g += pg
                                     if NH == 2:
                                         acc_u += pu
@@ -1062,6 +1072,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
                         else:
                             acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+    if PROMOTE_SMEM:
+        acc_g = total.index(0).load(MMA) + pg
+        if NH == 2:
+            acc_u = total.index(1).load(MMA) + pu
     return acc_g, acc_u
 
 
@@ -1541,7 +1555,7 @@ def moe_gemm_small_kernel(
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
     TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1, WIDE: gl.constexpr = False,
     SUB_TILES: gl.constexpr = 1, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
-    PROMOTE: gl.constexpr = 0,
+    PROMOTE: gl.constexpr = 0, PROMOTE_SMEM: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
     a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
@@ -1564,8 +1578,8 @@ def moe_gemm_small_kernel(
     splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``.
     W4A8 ``FOLD`` (the fast path, ``fold_ptr``: the experts' ``PreparedExperts.w13_fold`` / ``w2_fold``): each block's
     scale folded into its E4M3 weights (``convert.E2M1X8_TO_E4M3_TABLE_ASM``), the FP8 accumulator chained over K
-    (``PROMOTE`` = P > 0: over P steps at a time, each such sum added to FP32 accumulators), 2**(ref - 133) per row after
-    it; only the tiles of
+    (``PROMOTE`` = P > 0: over P steps at a time, each such sum added to FP32 accumulators, in shared memory with
+    ``PROMOTE_SMEM``), 2**(ref - 133) per row after it; only the tiles of
     experts whose flag is 1, and without ``FOLD`` only those whose flag is 0.
     ``WIDE`` (W4A16, ``BT`` = 256): persistent (a 1-D grid of at most one program per SM), two warpgroups
     (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of 32 output columns each; GEMM2
@@ -1580,6 +1594,7 @@ def moe_gemm_small_kernel(
     gl.static_assert(not WIDE or (not FP8 and KSPLIT == 1 and K_PARTS == 1 and not DIRECT and BT == 256))
     gl.static_assert(not WIDE or (SCALE_WORDS and not PAIR and SUB_TILES == 1))
     gl.static_assert(not SPLIT_LOOP or not (FP8 or WIDE))
+    gl.static_assert(not PROMOTE_SMEM or (FOLD and PROMOTE > 0 and KSPLIT == 1))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
     # before it is either a plain launch (W4A8's row quantizer) or GEMM1, which lets it launch only after its
@@ -1631,7 +1646,7 @@ def moe_gemm_small_kernel(
                 acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
                                             loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
                                             BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT,
-                                            SPLIT_LOOP, FOLD, PROMOTE)
+                                            SPLIT_LOOP, FOLD, PROMOTE, PROMOTE_SMEM)
             else:
                 # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
                 # SM issues too few instructions per cycle); its sums are added after the first half's, in that order

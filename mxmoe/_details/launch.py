@@ -62,6 +62,7 @@ class GemmConfig:
     # then its last ones tested (``gemm_sm90._small_steps``)
     promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
     # FP32 accumulators (0: one chain over all of K)
+    promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
@@ -147,6 +148,47 @@ WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles: th
 # up to 6 stages)
 
 
+PROMOTE_K = 1024  # W4A8 fast path: the K over which one FP8 accumulator chain runs before its sums go to FP32
+
+
+def _w4a8_tiles(cfg: dict, bt: int, n: int, k: int, gemm1: bool) -> None:
+    """The W4A8 fast path's tile knobs on the small-tile kernel (H200, reference shape, docs/perf-notes.md step 31):
+    128 K per stage where the scale words allow; GEMM2 always in pairs of 64-row blocks (T=1024..8192 GEMM2 -7 to -11
+    %); FP8 accumulator chains of ``PROMOTE_K`` (longer ones miss SPEC §5's 1.5e-3 on GEMM1: 2048 K 1.9e-3, 4096 K
+    4.3e-3), their FP32 sums in registers up to 64-row tiles and in shared memory at 128 rows (64-K stages there, so
+    that two programs still fit on an SM)."""
+    if k % 128 == 0:
+        cfg.update(block_k=128, num_stages=3 if bt <= 32 else 4)
+    if not gemm1 and gemm2_pair_fits(n):
+        cfg.update(pair=True)
+    two_chains = gemm1 or cfg["pair"]
+    promote = k > PROMOTE_K
+    if bt == 128 and two_chains:
+        if promote or gemm1:
+            cfg.update(block_k=64 if k % 64 == 0 else cfg["block_k"], num_stages=4)
+        else:  # GEMM2 pairs at 128 rows, no promotion: 3 stages of 128 K (T=8192 GEMM2 1.31 -> 1.10 ms)
+            cfg.update(num_stages=3)
+    if promote:
+        cfg.update(promote=max(PROMOTE_K // cfg["block_k"], 1), promote_smem=bt == 128 and two_chains)
+
+
+def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
+    """The config of the exact per-block W4A8 kernel (experts whose scales do not fold) on the route pack of ``cfg``:
+    at most 64 routed rows per program (each block's partial sums sit beside the accumulators), larger route tiles in
+    sub-tiles; 128 K per stage where the scale words allow, 64 for GEMM1 at 64 rows under a cap of 200 registers and
+    160 at 32 rows (docs/perf-notes.md steps 13 and 15)."""
+    bt = min(cfg.block_rows, 64)
+    bk = 128 if k % 128 == 0 else cfg.block_k
+    nreg = 0
+    if gemm1 and bk == 128 and bt == 64:
+        bk, nreg = 64, 200
+    elif gemm1 and bk == 128 and bt == 32:
+        nreg = 160
+    return replace(cfg, block_rows=bt, sub_tiles=cfg.sub_tiles * cfg.block_rows // bt, block_k=bk, maxnreg=nreg,
+                   num_stages=3 if bt <= 32 and bk == 128 else 4, pair=cfg.pair and bt == 16, promote=0,
+                   promote_smem=False)
+
+
 def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
                 kernel: str = "triton", gemm1: bool = True, sm_count: int = 0) -> GemmConfig:
     override = dict(override or {})
@@ -195,24 +237,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
                 cfg.update(k_split=2, maxnreg=128)
             elif not fp8 and programs <= 3 * sm_count // 2:
                 cfg.update(k_parts=2)
-        # W4A8: 128 K per stage where the scale words allow (4 K32 blocks: the MMA of each block but the last
-        # runs under the previous block's rescale, half the ring barriers per K): H200, T=8192 GEMM1 3.02 -> 2.76,
-        # GEMM2 1.71 -> 1.63 ms, T=1024 (3 stages) 0.63 -> 0.58, 0.34 -> 0.30 ms; docs/perf-notes.md step 13
-        if fp8 and k % 128 == 0:
-            cfg.update(block_k=128, num_stages=3 if bt <= 32 else 4)
-        # W4A8 GEMM1 with the conversion of prepared layout 3 (three masked shifts per E4M3 register): 128-K stages
-        # spill on 64-row tiles; 64-K stages there, capped at 200 registers (H200, T=2048 0.955 -> 0.908 ms, T=8192
-        # 3.08 -> 2.99 ms); 32-row tiles capped at 160 (T=1024 0.704 -> 0.622 ms). docs/perf-notes.md step 15.
-        # The caps were measured on the validated Triton (3.8 spills 88 bytes under the 200 one)
-        if fp8 and bt == 128:
-            cfg.update(block_k=64 if k % 64 == 0 else cfg["block_k"], num_stages=4)
-        capped = None  # (block_rows, block_k) a register cap was measured for
-        if fp8 and gemm1 and cfg["block_k"] == 128 and bt in (32, 64):
-            if bt == 64:
-                cfg.update(block_k=64, num_stages=4)
-            if gluon_validated(triton.__version__):
-                cfg.update(maxnreg=200 if bt == 64 else 160)
-                capped = (bt, cfg["block_k"])
+        if fp8:
+            _w4a8_tiles(cfg, bt, n, k, gemm1)
         # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
         # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
         if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
@@ -227,7 +253,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # faster (H200, perf-notes step 14): W4A16 from 32-row tiles (GEMM2 T=1024 0.386 -> 0.361, T=8192
         # 1.689 -> 1.455 ms against the kernels before; slower on 16-row tiles), W4A8 on 16-row tiles (T=64
         # 0.170 -> 0.159 ms; from 32 rows its registers cost programs per SM: slower)
-        if not gemm1 and gemm2_pair_fits(n) and (bt == 16 if fp8 else bt >= 32) and not cfg["wide"]:
+        if not (gemm1 or fp8) and gemm2_pair_fits(n) and bt >= 32 and not cfg["wide"]:
             cfg.update(pair=True)
         cfg.update(override)
         if "split_loop" not in override:
@@ -237,8 +263,6 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
             # T=64 +2.6 %), so from 16 (docs/perf-notes.md step 23)
             steps = k // cfg["block_k"] // (cfg["k_split"] * cfg["k_parts"])  # per warpgroup
             cfg["split_loop"] = not (fp8 or cfg["wide"]) and steps >= SPLIT_LOOP_MIN_STEPS
-        if capped and "maxnreg" not in override and (cfg["block_rows"], cfg["block_k"]) != capped:
-            cfg["maxnreg"] = 0  # an override changed the tile the cap was measured for
         if k % cfg["block_k"]:
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
         if cfg["scale_words"] and (k % 128 or 128 % cfg["block_k"]):
@@ -428,7 +452,7 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
     tiles), the launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default)."""
     return dict(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, SPLIT_REGS=cfg.maxnreg or 128,
                 K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop,
-                EARLY_WEIGHTS=pdl and early_weights(gemm1, cfg), PROMOTE=cfg.promote)
+                EARLY_WEIGHTS=pdl and early_weights(gemm1, cfg), PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)
 
 
 @functools.cache
@@ -483,7 +507,7 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
                      gemm1, swigluoai, fp8, cfg, direct, fold, True)
         if not all_fold:
             _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit,
-                         alpha, gemm1, swigluoai, fp8, replace(cfg, promote=0), direct, fold, False)
+                         alpha, gemm1, swigluoai, fp8, unfolded_config(cfg, gemm1, k), direct, fold, False)
     else:
         _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
                      gemm1, swigluoai, fp8, cfg, direct, fold, False)
