@@ -4,11 +4,15 @@
     GLUON=gluon_small python3 scripts/gluon_check.py check
     GLUON_JSON='{"w4a8": {...}, "w4a16": {...}}' python3 scripts/gluon_check.py check   # config overrides
     GLUON_JSON='{"w4a16": {"g2": {...}}, ...}' ...                                      # per GEMM ("g1", "g2")
+    UNFOLD=1 PRECS=w4a8 GLUON=auto python3 scripts/gluon_check.py check  # W4A8's exact unfolded kernel on every expert
     python3 scripts/gluon_check.py time '[{"kernel": "gluon_small"}]'
 
 ``check``: 32 cases (three shapes with the K % 128 != 0 one, T from 1 to 8192, masked routes and
 out-of-range ids, 30-binade scale spans, both activations, both precisions unless $PRECS says):
-relative L2 to the plain template (0 = bit-identical) and unwritten (NaN) elements. ``time``: reference
+relative L2 to the plain template (0 = bit-identical) and unwritten (NaN) elements. W4A8's fast path (the default,
+scales folded into E4M3, FP8 accumulator chains of 1024 K) is not bit-identical to the plain template (its per-block
+FP32 rescale): it shows its difference (tests/test_gpu_moe.py bounds it against exact); ``UNFOLD=1`` sends every expert
+to the exact unfolded Gluon kernel, which is. ``time``: reference
 shape, T from $TOKENS, median CUDA-event ms of the plain template, the default selection and any
 variants. Writes $OUT/ws_<stage>.json; prints a summary last."""
 import os, sys, time, json
@@ -21,7 +25,12 @@ from mxmoe.bench import cuda_event_sampler, median
 OUT = os.environ.get("OUT", "/tmp")
 torch.manual_seed(0)
 def experts(E, H, I, wide=False):
-    return random_experts(E, H, I, wide=wide, biases=True)
+    ex = random_experts(E, H, I, wide=wide, biases=True)
+    if os.environ.get("UNFOLD"):  # no expert on W4A8's fast path
+        ex.w13_fold.zero_()
+        ex.w2_fold.zero_()
+        ex.all_fold = False
+    return ex
 
 select = per_gemm_overrides()
 
