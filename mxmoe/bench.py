@@ -21,6 +21,11 @@ Method
   the arm's: peers that read BF16 or FP8 weights are held to the same byte count.
 * GPU name, clocks and throttle reasons are recorded before, during (after each T) and
   after the run (pynvml if importable, else ``nvidia-smi``; absent is not an error).
+* Peers whose GEMMs are kernels of their own (the Humming arms) also get their GEMM kernels
+  alone (``gemm_ms``): after all timings, per T, the device time of the kernels whose names
+  the arm's ``gemm_kernel`` matches, summed per call, by the torch profiler
+  (:func:`kernel_times`, :func:`gemm_alone_ms`); routing, quantization, activation and the
+  top-k sum are left out.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import importlib.util
 import json
 import math
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -186,6 +192,76 @@ def capture_graph(fn: Callable[[], object], warmup: int = 2) -> "torch.cuda.CUDA
         fn()
     torch.cuda.synchronize()
     return graph
+
+
+# --------------------------------------------------------------------------------------
+# Kernel times (torch profiler)
+# --------------------------------------------------------------------------------------
+
+
+def kernel_times(fn: Callable[[], object], calls: int = 5, device_type: str = "cuda") -> list:
+    """Device time of each kernel one call of ``fn`` launches, in launch order: ``[(name, us)]``, each the median
+    over ``calls`` calls recorded by the torch profiler (CUPTI), names as it demangles them.
+
+    One call before them runs with the profiler warming up and is not recorded (a session can lose the kernels
+    at its start); the recorded calls run back to back, as the timed ones do (with PDL a kernel's time includes
+    its wait for the one before). ``device_type="cpu"`` lists the CPU ops of ``fn`` instead (what the tests can
+    run). Once the profiler has run, CUPTI stays attached to the process and later launches get slower: time
+    everything else first.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    on_cuda = device_type == "cuda"
+    kind = torch.autograd.DeviceType.CUDA if on_cuda else torch.autograd.DeviceType.CPU
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    events: list = []
+
+    def keep(prof):
+        events.extend((e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == kind)
+
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU],
+                 schedule=schedule(wait=0, warmup=1, active=calls, repeat=1), on_trace_ready=keep) as prof:
+        for i in range(1 + calls):
+            fn()
+            if i in (0, calls):  # the warm-up call done before recording starts, the last one before it stops
+                sync()
+            prof.step()
+    return position_medians(events, calls)
+
+
+def position_medians(events: Sequence[tuple], calls: int) -> list:
+    """``calls`` calls' kernels in launch order, ``[(name, us)]`` -> the median of each position over the calls.
+
+    Raises if the calls did not launch the same kernel sequence (a lost or extra event would pair one call's
+    kernel with another kernel of the next)."""
+    if calls < 1 or len(events) % calls:
+        raise RuntimeError(f"{len(events)} kernels recorded in {calls} calls: not the same number per call")
+    n = len(events) // calls
+    out = []
+    for j in range(n):
+        names = {events[i * n + j][0] for i in range(calls)}
+        if len(names) != 1:
+            raise RuntimeError(f"kernel {j} of a call differs between calls: {sorted(name[:60] for name in names)}")
+        out.append((events[j][0], median([events[i * n + j][1] for i in range(calls)])))
+    return out
+
+
+# Humming's GEMM kernel: its template ``humming<MmaOpClass, Shape<...>, ...>`` at global scope (humming/kernel/
+# humming.py renders it; one launch per GEMM), as demangled ("void humming<...>(...)") or mangled ("_Z7humming...":
+# 7 is the length of the name, so no longer name starting with "humming" matches). Its process-input kernel
+# (activation, FP8 quantization) is "process_input_kernel<...>"; the other kernels of its arms are torch's.
+HUMMING_GEMM_KERNEL = re.compile(r"^(?:void\s+)?humming(?:<|\(|$)|^_Z7humming")
+
+
+def gemm_alone_ms(times: Sequence[tuple], gemm_kernel: "re.Pattern") -> tuple[float, int]:
+    """``(ms, n)``: the summed time of the ``n`` kernels of ``times`` (:func:`kernel_times`) whose name
+    ``gemm_kernel`` matches, per call."""
+    gemms = [us for name, us in times if gemm_kernel.match(name)]
+    if not gemms:
+        longest = sorted(times, key=lambda nt: -nt[1])[:4]  # where the GEMMs would be, named as the profiler does
+        raise RuntimeError(f"no kernel matches {gemm_kernel.pattern!r} among {len(times)}; the longest: "
+                           + ", ".join(f"{name[:80]} ({us:.0f} us)" for name, us in longest))
+    return sum(gemms) / 1000.0, len(gemms)
 
 
 # --------------------------------------------------------------------------------------
@@ -378,6 +454,9 @@ class Arm:
     rate = "bf16"  # which matrix rate its floor uses: "bf16" or "fp8"
     graphable = True  # may be timed as CUDA-graph replays
     what = ""  # what the timing includes and leaves out
+    gemm_kernel: Optional["re.Pattern"] = None  # matches its GEMM kernels' names: their time alone is reported
+    # Set by the methods where they apply, read by the bench: ``note`` (prepare: the path the arm took) and
+    # ``tiles`` (make_call: the tile configs it uses for that call).
 
     def unavailable(self) -> Optional[str]:
         """Why this arm cannot run here ("not installed: ..."), or None."""
@@ -634,6 +713,30 @@ def _align_routes(flat_ids: torch.Tensor, num_experts: int, block: int):
     return sorted_ids, expert_ids, ends[-1:]
 
 
+def humming_mxfp4_tensors(experts: PreparedExperts) -> tuple:
+    """The experts as Humming's ``mxfp4`` weight schema takes them, one ``(tensors, shape_n, shape_k)`` per GEMM:
+    ``weight`` the E2M1 bytes (uint8 ``[E, N, K/2]``, low nibble first) and ``weight_scale`` the UE8M0 bytes
+    (uint8 ``[E, N, K/32]``) as given; w13's rows ``[gate; up]`` (its ``binary_split`` activation reads the gate
+    half first)."""
+    w13, w2 = experts.source_order_weights()
+    H, I = experts.hidden_size, experts.intermediate_size
+    return (({"weight": w13.contiguous(), "weight_scale": experts.w13_scale.contiguous()}, 2 * I, H),
+            ({"weight": w2.contiguous(), "weight_scale": experts.w2_scale.contiguous()}, H, I))
+
+
+def _humming_path(layer) -> str:
+    """What Humming made of a transformed layer: activation type and quantization, scale handling, weight layout."""
+    cfg = getattr(layer, "humming_config", None)
+
+    def value(name):
+        v = getattr(cfg, name, "?")
+        return getattr(v, "value", v)  # enums by their value
+
+    return (f"{value('a_dtype')} activations (quantization {value('input_quant_mode')}), fused E8M0 scales "
+            f"{value('use_fused_e8m0_scale')}, weight_scale_2 {value('weight_scale_2_type')}, packed-K layout "
+            f"{value('use_packed_k_layout')}")
+
+
 class HummingArm(Arm):
     name = "humming"
     rate = "bf16"
@@ -642,6 +745,8 @@ class HummingArm(Arm):
             "heuristics for the call's routed rows; included: the route alignment to its M block (torch ops, no host "
             "sync), both GEMMs, SiLU-and-mul by its process-input kernel, the weighted top-k sum as one batched "
             "matmul (router weights in BF16); excluded: the one-time weight transform and kernel compilation")
+    gemm_kernel = HUMMING_GEMM_KERNEL  # its GEMM kernels alone are reported next to the call (gemm_ms)
+    input_config: Optional[dict] = None  # Humming's input schema; None: activations in the layer's dtype (BF16)
 
     def unavailable(self):
         if importlib.util.find_spec("humming") is None:
@@ -652,17 +757,18 @@ class HummingArm(Arm):
         from humming.layer import HummingLayer
 
         self.shape = shape
-        w13, w2 = experts.source_order_weights()
 
-        def layer(w, scale, n, k):
-            lay = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "mxfp4"}, num_experts=shape.E,
-                               torch_dtype=torch.bfloat16).to(experts.device)
-            lay.load_from_tensors({"weight": w.contiguous(), "weight_scale": scale.contiguous()})
+        def layer(tensors, n, k):
+            # a copy of input_config: HummingLayer fills the missing keys into the dict it is given
+            lay = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "mxfp4"},
+                               input_config=dict(self.input_config) if self.input_config else None,
+                               num_experts=shape.E, torch_dtype=torch.bfloat16).to(experts.device)
+            lay.load_from_tensors(tensors)
             lay.transform()
             return lay
 
-        self.l13 = layer(w13, experts.w13_scale, 2 * shape.I, shape.H)
-        self.l2 = layer(w2, experts.w2_scale, shape.H, shape.I)
+        self.l13, self.l2 = (layer(*gemm) for gemm in humming_mxfp4_tensors(experts))
+        self.note = "GEMM1: " + _humming_path(self.l13) + "; GEMM2: " + _humming_path(self.l2)
 
     def make_call(self, inp):
         from humming.layer import HummingMethod
@@ -676,16 +782,20 @@ class HummingArm(Arm):
         # each GEMM's tile config from Humming's heuristics for the routed rows; its M block sets the route alignment
         t13, t2 = (get_heuristics_config(lay.humming_metas[""], shape_m=inp.T * s.top_k, gemm_type="indexed",
                                          device=inp.x.device) for lay in (self.l13, self.l2))
+        self.tiles = {"gemm1": t13, "gemm2": t2}
         b13, b2 = t13["block_shape"][0], t2["block_shape"][0]
         keys = ("sorted_ids", "expert_ids", "num_tokens_padded")  # _align_routes's outputs as Humming's arguments
 
         def call():
             routes = {block: dict(zip(keys, _align_routes(flat, s.E, block))) for block in {b13, b2}}
-            h = self.l13(inp.x, **routes[b13], top_k=s.top_k, compute_config=compute, tuning_config=t13)  # [R, 2I]
-            # SiLU(gate) * up in FP32 from the two halves, one kernel (as vLLM's silu_and_mul)
-            a, _, _ = HummingMethod.may_process_input(self.l2, h, activation_type="binary_split",
-                                                      activation_impl="a / (1.0f + expf(-a)) * b")
-            y = self.l2(a, **routes[b2], top_k=1, compute_config=compute, tuning_config=t2)  # [R, H], route order
+            # [R, 2I]; with 8-bit activations Humming quantizes x per token first (its process-input kernel)
+            h = self.l13(inp.x, **routes[b13], top_k=s.top_k, compute_config=compute, tuning_config=t13)
+            # SiLU(gate) * up in FP32 from the two halves, one kernel (as vLLM's silu_and_mul); with 8-bit
+            # activations the same kernel quantizes each routed row and returns its scale (else None)
+            a, _, a_scale = HummingMethod.may_process_input(self.l2, h, activation_type="binary_split",
+                                                            activation_impl="a / (1.0f + expf(-a)) * b")
+            y = self.l2(a, input_scale=a_scale, **routes[b2], top_k=1, compute_config=compute,
+                        tuning_config=t2)  # [R, H], route order
             torch.bmm(w.to(y.dtype), y.view(inp.T, s.top_k, s.H), out=out.view(inp.T, 1, s.H))
             return out
 
@@ -695,9 +805,42 @@ class HummingArm(Arm):
         self.l13 = self.l2 = None
 
 
+class HummingW4A8Arm(HummingArm):
+    name = "humming-w4a8"
+    rate = "fp8"
+    what = ("Humming (humming-kernels) W4A8: the same MXFP4 bytes as the humming arm, transformed once for FP8 E4M3 "
+            "activations (on SM90 its fused-E8M0 path: each K32 scale folded into the weights, converted to E4M3, "
+            "with one factor per expert or channel in the epilogue); per call: x quantized per token to E4M3 "
+            "(dynamic, FP32 scales) by its process-input kernel, the route alignment to each GEMM's M block (torch "
+            "ops), its indexed GEMM1 with the heuristics' tile config, SiLU-and-mul and per-routed-row E4M3 "
+            "quantization in one process-input kernel, its indexed GEMM2, the weighted top-k sum as one batched "
+            "matmul; excluded: the one-time weight transform and kernel compilation")
+    # the names are Humming's (humming/schema/humming.py, HummingInputSchema): dtype aliases a_dtype
+    input_config = {"quant_method": "humming", "dtype": "float8e4m3", "input_quant_mode": "dynamic_token"}
+
+    def unavailable(self):
+        why = super().unavailable()
+        if why:
+            return why
+        try:
+            from humming.schema import BaseInputSchema, is_humming_schema_compatible
+            from humming.schema.mxfp4 import Mxfp4WeightSchema
+
+            weights = Mxfp4WeightSchema().to_humming_schema(torch.bfloat16)
+            activations = BaseInputSchema.from_config(dict(self.input_config))
+            supported = is_humming_schema_compatible(activations, weights, torch.bfloat16)
+        except Exception as exc:
+            return f"humming could not check its W4A8 path here: {type(exc).__name__}: {exc}"
+        if not supported:
+            major, minor = torch.cuda.get_device_capability()
+            return (f"unsupported on this device: Humming has no E4M3-activation path for MXFP4 weights on "
+                    f"SM{major}{minor}")
+        return None
+
+
 def all_arms() -> list[Arm]:
     return [MxmoeArm("w4a16"), MxmoeArm("w4a8"), TorchGroupedMMArm(), TorchScaledGroupedMMArm(), FlashInferArm(),
-            HummingArm()]
+            HummingArm(), HummingW4A8Arm()]
 
 
 ARM_NAMES = tuple(a.name for a in all_arms())
@@ -807,6 +950,11 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
             progress(f"preparing {arm.name}")
             arm.prepare(experts, shape, max(cfg.tokens))
             info["status"] = "ok"
+            if getattr(arm, "note", None):
+                info["note"] = arm.note
+            if arm.gemm_kernel is not None:
+                info["gemm_kernels"] = (f"kernels matching {arm.gemm_kernel.pattern!r}: gemm_ms = their device "
+                                        "time per call (torch profiler, median of 5 eager calls, after all timings)")
             arms.append(arm)
         except Exception as exc:
             info["status"] = f"error: {type(exc).__name__}: {exc}"
@@ -835,6 +983,8 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
                 m["mode"] = "eager"
                 if getattr(arm, "ran", None):
                     m["precision_ran"] = arm.ran
+                if getattr(arm, "tiles", None):
+                    m["tiles"] = arm.tiles
                 if arm.graphable and T * shape.top_k <= cfg.graph_max_rows:
                     try:
                         graph = capture_graph(fn)
@@ -873,6 +1023,7 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
         record.setdefault("clocks_after_T", {})[str(T)] = gpu_snapshot(device.index or 0)
         del calls, outputs, keep
         torch.cuda.synchronize()
+    measure_gemms_alone([a for a in arms if a.gemm_kernel is not None], rows, cfg, device, progress)
     progress.done()
     for arm in arms:
         arm.release()
@@ -884,6 +1035,29 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
               f"  {'':<28} {info['what']}", file=stream)
     print(f"clocks at end: {_fmt_clocks(env.get('clocks_end'))}", file=stream)
     return record
+
+
+def measure_gemms_alone(arms: Sequence[Arm], rows: Sequence[dict], cfg: BenchConfig, device: torch.device,
+                        progress: Callable[[str], None]) -> None:
+    """Adds ``gemm_ms`` (and ``gemm_kernels``, their number per call) to each row of ``arms`` that was timed:
+    :func:`gemm_alone_ms` of the arm's ``gemm_kernel`` on :func:`kernel_times` of a fresh eager call on the same
+    inputs. Runs after every timing, since the profiler leaves later launches slower."""
+    by_key = {(m["T"], m["arm"]): m for m in rows}
+    for ti, T in enumerate(cfg.tokens if arms else ()):
+        inp = make_inputs(cfg.shape, T, device, cfg.seed)  # the timed inputs: same seed
+        for arm in arms:
+            m = by_key.get((T, arm.name))
+            if m is None or "median_ms" not in m:
+                continue
+            progress(f"GEMM kernels T={T} ({ti + 1}/{len(cfg.tokens)}): {arm.name}, torch profiler")
+            try:
+                m["gemm_ms"], m["gemm_kernels"] = gemm_alone_ms(kernel_times(arm.make_call(inp)), arm.gemm_kernel)
+            except Exception as exc:
+                m["gemm_error"] = f"{type(exc).__name__}: {exc}"
+                try:
+                    torch.cuda.synchronize()
+                except Exception:
+                    pass
 
 
 def _fmt(v, spec: str) -> str:
@@ -903,8 +1077,9 @@ def _fmt_clocks(snap: Optional[dict]) -> str:
 
 def print_table(rows: Sequence[dict], stream: Optional[TextIO] = None) -> None:
     stream = stream or sys.stdout
-    print(f"{'T':>6} {'arm':<28} {'mode':<6} {'median ms':>10} {'floor ms':>9} {'x floor':>8} {'TFLOP/s':>8} "
-          f"{'relL2 %':>8}  note", file=stream)
+    # GEMMs ms: the arm's GEMM kernels alone per call (gemm_ms; arms that name their GEMM kernels)
+    print(f"{'T':>6} {'arm':<28} {'mode':<6} {'median ms':>10} {'GEMMs ms':>9} {'floor ms':>9} {'x floor':>8} "
+          f"{'TFLOP/s':>8} {'relL2 %':>8}  note", file=stream)
     last_T = None
     for m in rows:
         if last_T is not None and m["T"] != last_T:
@@ -915,11 +1090,14 @@ def print_table(rows: Sequence[dict], stream: Optional[TextIO] = None) -> None:
             note = f"ran {m['precision_ran']} " + note
         if m.get("graph_error"):
             note += f" (no graph: {m['graph_error'][:60]})"
+        if m.get("gemm_error"):
+            note += f" (GEMMs alone: {m['gemm_error'][:60]})"
         if m.get("rel_l2_vs"):
             note = f"vs {m['rel_l2_vs']} " + note
         rel = m.get("rel_l2")
         print(f"{m['T']:>6} {m['arm']:<28} {m.get('mode', '-'):<6} {_fmt(m.get('median_ms'), '10.4f')} "
-              f"{_fmt(m.get('floor_ms'), '9.4f')} {_fmt(m.get('time_over_floor'), '8.2f')} {_fmt(m.get('tflops'), '8.1f')} "
+              f"{_fmt(m.get('gemm_ms'), '9.4f')} {_fmt(m.get('floor_ms'), '9.4f')} "
+              f"{_fmt(m.get('time_over_floor'), '8.2f')} {_fmt(m.get('tflops'), '8.1f')} "
               f"{_fmt(None if rel is None else 100 * rel, '8.3f')}  {note.strip()}", file=stream)
 
 

@@ -1,10 +1,12 @@
 """Helpers of the device scripts: random prepared experts (seeded: every script and run sees the same
-weights) and per-GEMM config overrides."""
+weights), per-GEMM config overrides and per-kernel times."""
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import mxmoe
 from mxmoe._details import launch
+# the device scripts' per-kernel times: the bench's (torch profiler, median per kernel over 5 calls after an
+# unrecorded one; raises if the calls launched different kernels)
+from mxmoe.bench import kernel_times  # noqa: F401
 
 
 def random_experts(E, H, I, lo=118, hi=122, wide=False, biases=False):
@@ -48,14 +50,3 @@ def per_gemm_overrides():
 
     launch.gemm_config = gemm_config
     return select
-
-
-def kernel_times(fn, calls=5):
-    """Device time of each kernel ``fn`` launches, in launch order: torch profiler, median of ``calls`` calls (us)."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    n = len(events) // calls
-    return [(events[j].name, sorted(events[i * n + j].device_time for i in range(calls))[calls // 2]) for j in range(n)]

@@ -2,13 +2,13 @@
 
     python3 scripts/arm_kernels.py humming 1,64,1024,8192 [--min-us 5]
 
-Reference shape, the bench's weights and inputs (same seeds). Prints, per T, the number of kernels, their summed time
-and each kernel above ``--min-us``, longest first: how much of a peer's call is its GEMMs and how much the glue around them."""
+Reference shape, the bench's weights and inputs (same seeds). Prints, per T, the number of kernels, their summed time,
+for arms that name their GEMM kernels (the Humming ones) those alone as `mxmoe bench` reports them (gemm_ms), and each
+kernel above ``--min-us``, longest first: how much of a peer's call is its GEMMs and how much the glue around them."""
 import argparse
 
 import torch
 
-from _experts import kernel_times
 from mxmoe import bench, check
 
 ap = argparse.ArgumentParser()
@@ -25,12 +25,18 @@ if arm.unavailable():
     raise SystemExit(arm.unavailable())
 tokens = [int(t) for t in args.tokens.split(",")]
 arm.prepare(experts, shape, max(tokens))
+if getattr(arm, "note", None):
+    print(arm.note)
 for T in tokens:
-    fn = arm.make_call(bench.make_inputs(shape, T, device, seed=1))
+    fn = arm.make_call(bench.make_inputs(shape, T, device, seed=0))  # the bench's inputs (its default seed)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = kernel_times(fn)
-    print(f"T={T}: {len(times)} kernels, {sum(t for _, t in times):.0f} us in all; "
+    times = bench.kernel_times(fn)
+    gemms = ""
+    if arm.gemm_kernel is not None:
+        ms, n = bench.gemm_alone_ms(times, arm.gemm_kernel)
+        gemms = f"; its {n} GEMM kernels {1000 * ms:.1f} us"
+    print(f"T={T}: {len(times)} kernels, {sum(t for _, t in times):.0f} us in all{gemms}; "
           + ", ".join(f"{name[:48]} {t:.1f}" for name, t in sorted(times, key=lambda nt: -nt[1]) if t >= args.min_us),
           flush=True)
