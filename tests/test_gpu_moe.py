@@ -1,6 +1,11 @@
 """GPU tests of the Triton path (skipped without CUDA): numerics, edge cases, serving contract.
 
 Run on the device: ``python3 -m pytest -q tests/test_gpu_moe.py``.
+
+W4A8 bounds (SPEC §5, ``mxmoe.check``): each GEMM vs float64 of the same E4M3 operands <= 1.5e-3
+(``test_w4a8_gemm_level``); the layer vs exact at most 0.5 percentage points above the FP8 emulation's own
+error over the whole output and 1.5 points above it for any token; vs the emulation reported (in the assertion
+messages), bounded (2 %) at the reference shape only.
 """
 from __future__ import annotations
 
@@ -9,20 +14,26 @@ import torch
 
 import mxmoe
 from mxmoe import fused_moe, fused_moe_reference, relative_l2
+from mxmoe.check import (REFERENCE_SHAPE, describe_w4a8, gemm_level, w4a8_layer_failures, w4a8_layer_metrics,
+                         zero_where_ref_zero)
 
 from conftest import top_scale_pair
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SHAPES = {
-    "ref": (288, 4096, 1024, 8),
+    "ref": REFERENCE_SHAPE,
     "ktail": (128, 2880, 2880, 4),
 }
 _experts_cache: dict = {}
 
 
-def gpu_experts(E, H, I, *, seed=0, biases=False, scale_lo=120, scale_hi=124, zero_scale_rows=False, wide_span=False):
-    key = (E, H, I, seed, biases, scale_lo, scale_hi, zero_scale_rows, wide_span)
+def gpu_experts(E, H, I, *, seed=0, biases=False, scale_lo=120, scale_hi=124, zero_scale_rows=False, wide_span=False,
+                mixed_span=False, zero_up=False):
+    """Random prepared experts (every E2M1 code, scale bytes in [scale_lo, scale_hi]). ``wide_span``: every row's
+    blocks span 30 binades; ``mixed_span``: the odd experts' only (W4A8 takes the exact path for those, the fast
+    one for the others); ``zero_up``: w13's up rows all E2M1 code 0 (the GEMM-level check, ``check.gemm_level``)."""
+    key = (E, H, I, seed, biases, scale_lo, scale_hi, zero_scale_rows, wide_span, mixed_span, zero_up)
     if key in _experts_cache:
         return _experts_cache[key]
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -38,6 +49,12 @@ def gpu_experts(E, H, I, *, seed=0, biases=False, scale_lo=120, scale_hi=124, ze
         offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device=dev)
         s13 = (126 + offs[torch.arange(H // 32, device=dev) % 4]).to(torch.uint8).expand(E, 2 * I, H // 32).contiguous()
         s2 = (126 + offs[torch.arange(I // 32, device=dev) % 4]).to(torch.uint8).expand(E, H, I // 32).contiguous()
+    if mixed_span:
+        offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device=dev)
+        s13[1::2] = (126 + offs[torch.arange(H // 32, device=dev) % 4]).to(torch.uint8)
+        s2[1::2] = (126 + offs[torch.arange(I // 32, device=dev) % 4]).to(torch.uint8)
+    if zero_up:
+        w13[:, I:] = 0
     kw = {}
     if biases:
         kw = dict(b13=torch.randn(E, 2 * I, generator=g, device=dev), b2=torch.randn(E, H, generator=g, device=dev))
@@ -64,21 +81,51 @@ def routing(T, top_k, E, *, kind="uniform", seed=1, ids_dtype=torch.int32):
 
 
 def check(ex, x, ids, w, precision, activation="silu", expert_map=None, workspace=None, **kw):
+    """One call into a NaN-filled ``out`` against the references. W4A16: vs exact <= 0.5 %. W4A8 (SPEC §5): vs exact
+    at most 0.5 points above the FP8 emulation's own error (whole output) and 1.5 points above it for any token; vs
+    the emulation in the message, bounded (2 %) at the reference shape only. Rows whose exact reference is zero
+    (every route masked, zero x rows) must be exactly zero."""
     out = torch.full_like(x, float("nan"))
     res, ran = fused_moe(x, ex, w, ids, precision=precision, activation=activation, expert_map=expert_map, out=out,
                          return_precision=True, workspace=workspace, **kw)
     assert res is out and ran == precision
     assert torch.isfinite(out.float()).all(), "unwritten (NaN) or non-finite output"
     exact = fused_moe_reference(x, ex, w, ids, activation=activation, expert_map=expert_map, mode="exact", **kw)
-    err_exact = relative_l2(out, exact)
     if precision == "w4a16":
+        err_exact = relative_l2(out, exact)
         assert err_exact <= 5e-3, err_exact
+        assert zero_where_ref_zero(out, exact), "a row whose exact reference is zero is not zero"
     else:
         emu = fused_moe_reference(x, ex, w, ids, activation=activation, expert_map=expert_map, mode="w4a8", **kw)
-        err_emu = relative_l2(out, emu)
-        assert err_emu <= 5e-3, err_emu
-        assert err_exact <= 5e-2, err_exact
+        dims = (ex.num_experts, ex.hidden_size, ex.intermediate_size, ids.shape[1])
+        m = w4a8_layer_metrics(out, emu, exact)
+        print(f"W4A8 E,H,I,top_k={dims} T={x.shape[0]}: {describe_w4a8(m)}")  # (pytest -rP shows it)
+        bad = w4a8_layer_failures(m, dims)
+        assert not bad, f"{bad} at E,H,I,top_k={dims}, T={x.shape[0]}: {describe_w4a8(m)}"
     return out
+
+
+def masked_routing(T, top_k, E, *, seed, ids_dtype=torch.int32):
+    """Distinct experts per token; about a third of the routes masked, half of those -1 and half >= E (int64: also
+    values >= 2**32 whose low 32 bits are a valid id); token 0 every route masked (both kinds), token T // 2 one
+    valid route left. Weights in [0.1, 1.1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:top_k] for _ in range(T)])
+    r = torch.rand(T, top_k, generator=g, device="cuda")
+    past = torch.full_like(ids, E) + (torch.arange(top_k, device="cuda") % 3)  # E, E+1, E+2
+    if ids_dtype == torch.int64:
+        past = torch.where(torch.arange(top_k, device="cuda") % 2 == 1, (1 << 32) + ids, past)
+    ids = torch.where(r < 1 / 6, torch.full_like(ids, -1), torch.where(r < 1 / 3, past, ids))
+    ids[0] = torch.where(torch.arange(top_k, device="cuda") % 2 == 0, -1, past[0])
+    if T > 2:
+        ids[T // 2, 1:] = -1
+        ids[T // 2, 0] = torch.randint(0, E, (1,), generator=g, device="cuda")
+    w = torch.rand(T, top_k, generator=g, device="cuda") + 0.1
+    return ids.to(ids_dtype).contiguous(), w.contiguous()
+
+
+def seeded_x(T, H, seed):
+    return torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).bfloat16()
 
 
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
@@ -394,3 +441,63 @@ def test_wide_tiles(kind, ids_dtype, T, monkeypatch):
         assert g1.wide is (wide_from == 0) and g2.wide is (wide_from == 0 and wide_gemm2)
         outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+SMALL_SHAPES = {
+    # name: (E, H, I, top_k, T)
+    "i64": (16, 256, 64, 3, 21),  # I = 64: GEMM2 of one K step
+    "k_tails": (16, 96, 160, 3, 20),  # H and I multiples of 32, not of 64 (the plain template)
+    "t19": (32, 1024, 512, 3, 19),
+}
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("name", list(SMALL_SHAPES))
+def test_small_shapes_masked_routes(name, ids_dtype, precision):
+    """Small shapes, top_k = 3, T around 20, masked routes (-1 and >= E, int64 >= 2**32) and a token with every
+    route masked (exactly zero), against the references (``check``)."""
+    E, H, I, top_k, T = SMALL_SHAPES[name]
+    ex = gpu_experts(E, H, I, seed=11)
+    x = seeded_x(T, H, seed=20 + T)
+    ids, w = masked_routing(T, top_k, E, seed=T, ids_dtype=ids_dtype)
+    out = check(ex, x, ids, w, precision)
+    assert (out[0] == 0).all()  # every route masked
+    assert (out[T // 2] != 0).any()  # one valid route
+
+
+# GEMM-level (SPEC §5): name -> (E, H, I, top_k, T, gpu_experts options). On the reference shape T sets the route
+# tiles: 1 token 16-row tiles (GEMM1's K split in two warpgroups), 600 32-row, 1500 64-row, 4096 128-row (FP32
+# sums of the FP8 chains in shared memory)
+GEMM_LEVEL = {
+    "ref_t1": (*REFERENCE_SHAPE, 1, {}),
+    "ref_t600": (*REFERENCE_SHAPE, 600, {}),
+    "ref_t1500": (*REFERENCE_SHAPE, 1500, {}),
+    "ref_t4096": (*REFERENCE_SHAPE, 4096, {}),
+    "ktail_t300": (*SHAPES["ktail"], 300, {}),
+    "mixed_span": (32, 1024, 512, 4, 300, {"mixed_span": True}),  # fast and exact W4A8 kernels in one call
+    "i64": (16, 256, 64, 3, 21, {}),
+    "k_tails": (16, 96, 160, 3, 20, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(GEMM_LEVEL))
+def test_w4a8_gemm_level(name):
+    """Each W4A8 GEMM's FP32 output vs float64 of the same E4M3 operands <= 1.5e-3 (``check.gemm_level``): GEMM1
+    through ``launch.gemm1_rows`` on experts whose up rows are zero with swigluoai at alpha 0 (gate / 2 exactly),
+    GEMM2's routed rows in an FP32 buffer of the workspace; masked routes (-1, >= E) and a fully masked token."""
+    E, H, I, top_k, T, opts = GEMM_LEVEL[name]
+    ex = gpu_experts(E, H, I, seed=5, zero_up=True, **opts)
+    if opts.get("mixed_span") and getattr(ex, "w13_fold", None) is not None:
+        assert 0 < int(ex.w13_fold.sum()) < E  # both W4A8 kernels run
+    x = seeded_x(T, H, seed=300 + T)
+    if T > 2:
+        ids, w = masked_routing(T, top_k, E, seed=T + 1)
+    else:
+        ids, w = routing(T, top_k, E, seed=T + 1)
+    metrics, checks = gemm_level(x, ex, w, ids)
+    print(f"GEMM-level {name}: {metrics}")
+    failed = [c for c, ok in checks.items() if not ok]
+    assert not failed, (failed, metrics)
+    assert metrics["w4a8_gemm1_vs_f64"] <= 1.5e-3, metrics
+    assert metrics["w4a8_gemm2_vs_f64"] <= 1.5e-3, metrics
