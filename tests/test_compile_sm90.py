@@ -63,8 +63,12 @@ def test_gemm_uses_wgmma_without_spills(reports, index):
 
     from mxmoe._details.launch import gluon_validated
 
+    # W4A8 GEMM2 in pairs on 128-row tiles with 128-K stages (the fastest form measured, docs/perf-notes.md step 31)
+    # spills 24 bytes at 255 registers, outside its K loop
+    fp8_pairs = r["fp8"] and r["config"]["pair"] and r["config"]["block_rows"] == 128
     if r["kernel"] != "gluon" or gluon_validated(triton.__version__):
-        assert r["spill_bytes"] <= (64 if r["kernel"] == "gluon" else 0), r
+        assert r["spill_bytes"] <= (64 if r["kernel"] == "gluon" else 32 if fp8_pairs else 0), r
+    assert r["k_loop_length"] > 0 and r["k_loop_local"] == 0, r
     # ptxas serializes the asynchronous wgmma pipeline (C7515) when it cannot prove the accumulators and
     # register operands untouched in flight: correct, but the MMAs stop overlapping anything
     assert not r["wgmma_serialized"], r

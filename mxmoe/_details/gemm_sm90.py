@@ -927,7 +927,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     pg = zero  # W4A8 with PROMOTE: the FP8 chains' sums since their last promotion
     pu = zero
     if PROMOTE_SMEM:  # ... and the FP32 sums of the earlier chains in shared memory (``pg``, ``pu`` the accumulators)
-        total = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        # (2-float pieces swizzled by row: a warp's accumulator registers, 8 rows x 4 pieces, hit 8 different banks
+        # pairs instead of one 8 ways)
+        total = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
         for h in gl.static_range(NH):
             total.index(h).store(zero)
     # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per

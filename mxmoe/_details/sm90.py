@@ -35,6 +35,8 @@ class KernelReport:
     wgmma_serialized: bool = False  # ptxas C7515: it serialized the asynchronous wgmma pipeline
     operand_overwrites: list = field(default_factory=list)  # SASS instructions writing an in-flight wgmma's register
     # operand (``operand_races``)
+    k_loop_local: int = 0  # local-memory loads and stores (spills) in the K loop (``k_loop``)
+    k_loop_length: int = 0  # its SASS instructions
 
 
 def _tool(name: str) -> str:
@@ -115,7 +117,27 @@ def report(kernel) -> KernelReport:
     mma = sorted(set(re.findall(r"\b[HQ]GMMA\.\S+|\bHMMA\.\S+", sass)))
     ttgir = kernel.asm["ttgir"]
     return KernelReport(regs, spills, kernel.metadata.shared, mma, ttgir.count("async_copy_global_to_local"), ttgir,
-                        "wgmma.mma_async instructions are serialized" in log, operand_races(sass))
+                        "wgmma.mma_async instructions are serialized" in log, operand_races(sass),
+                        sum(1 for t in k_loop(sass) if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", t)), len(k_loop(sass)))
+
+
+def k_loop(sass: str) -> list:
+    """The SASS instructions of the innermost loop holding a wgmma (from a backward branch's target to the branch):
+    the K loop."""
+    instrs, labels = [], {}
+    for m in re.finditer(r"^\s*(\.L_x_\d+):|/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass, re.M):
+        if m.group(1):
+            labels[m.group(1)] = len(instrs)
+        else:
+            instrs.append(m.group(3).strip())
+    best: list = []
+    for i, t in enumerate(instrs):
+        target = re.search(r"BRA.*\((\.L_x_\d+)\)", t)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = instrs[labels[target.group(1)]:i + 1]
+            if any(re.search(r"\b[HQ]GMMA\.", b) for b in body) and (not best or len(body) < len(best)):
+                best = body
+    return best
 
 
 # SASS ops that write no general register (or only uniform ones: every U* op)
@@ -225,7 +247,8 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
                             registers=rep.registers,
                             spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
                             async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized,
-                            operand_overwrites=rep.operand_overwrites[:5]))
+                            operand_overwrites=rep.operand_overwrites[:5], k_loop_local=rep.k_loop_local,
+                            k_loop_length=rep.k_loop_length))
     return out
 
 
