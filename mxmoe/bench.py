@@ -996,11 +996,7 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
                         torch.cuda.synchronize()
                 calls[arm.name] = fn
             except Exception as exc:
-                m["error"] = f"{type(exc).__name__}: {exc}"
-                try:
-                    torch.cuda.synchronize()
-                except Exception:
-                    pass
+                _record_error(m, "error", exc)
         samples = interleaved_samples(
             calls, cuda_event_sampler, rounds=cfg.rounds, samples=cfg.samples,
             progress=lambda r, name: progress(f"T={T} ({ti + 1}/{len(cfg.tokens)}): round {r + 1}/{cfg.rounds} {name}"))
@@ -1053,11 +1049,16 @@ def measure_gemms_alone(arms: Sequence[Arm], rows: Sequence[dict], cfg: BenchCon
             try:
                 m["gemm_ms"], m["gemm_kernels"] = gemm_alone_ms(kernel_times(arm.make_call(inp)), arm.gemm_kernel)
             except Exception as exc:
-                m["gemm_error"] = f"{type(exc).__name__}: {exc}"
-                try:
-                    torch.cuda.synchronize()
-                except Exception:
-                    pass
+                _record_error(m, "gemm_error", exc)
+
+
+def _record_error(m: dict, key: str, exc: Exception) -> None:
+    """An arm's failure into its row, then a synchronize (itself allowed to fail) so the next arm starts clean."""
+    m[key] = f"{type(exc).__name__}: {exc}"
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        pass
 
 
 def _fmt(v, spec: str) -> str:
