@@ -142,8 +142,8 @@ _E4M3_SLOT = (1, 3, 0, 2, 19, 17, 16, 18)
 
 
 def _table_args(b: int, ref: int) -> list:
-    lo = ((12 - ref) * 0x08080800 + convert.E4M3_TABLE_LO_BASE) & MASK
-    hi = ((12 - ref) * 0x08080808 + convert.E4M3_TABLE_HI_BASE) & MASK
+    lo = ((12 - ref) * 0x08080800 + convert.E4M3_TABLE_LO_BASE.value) & MASK
+    hi = ((12 - ref) * 0x08080808 + convert.E4M3_TABLE_HI_BASE.value) & MASK
     return [b] * 4 + [lo] * 4 + [hi]  # ($12 .. $14, the rest of the hi repeats, are not read)
 
 

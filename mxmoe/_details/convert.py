@@ -166,27 +166,16 @@ factors (``gemm_sm90._paired_factors``)."""
 # (every such value is an E4M3 normal: 0.5 * 2**-5 = 2**-6 up to 6 * 2**6 = 384). Byte j is 8 o plus a constant for
 # j >= 1 and 0 for j = 0, so the two table words are linear in o: o * 0x08080800 + 0x0C080000 and o * 0x08080808 +
 # 0x1C181410, one multiply-add each from the block's scale byte b, o = b + 12 - ref with a per-row addend
-# (``e4m3_table_addends``; mod 2**32, the bytes come out right whatever the carries in between). Folded (the fast path,
+# (``gemm_sm90._e4m3_addends``; mod 2**32, the bytes come out right whatever the carries in between). Folded (the fast path,
 # prepare.fold_fits): every nonzero block of the row has b >= ref - 11, so o is in range and the block scale is in the
 # E4M3 value; the epilogue applies 2**(ref - 133) per row. Unfolded (rows of wider spans): b = 0 and the addend of o = 1
 # (``E4M3_UNFOLDED_LO`` / ``_HI``), values E2M1 * 2**-5, and each block's partial sum is scaled by 2**(b - 122).
-E4M3_TABLE_LO = tl.constexpr(0x08080800)  # per unit of o (byte 0: magnitude 0 stays 0)
-E4M3_TABLE_HI = tl.constexpr(0x08080808)
-E4M3_TABLE_LO_BASE = 0x0C080000  # the bytes at o = 0 (as integers mod 2**32)
-E4M3_TABLE_HI_BASE = 0x1C181410
+E4M3_TABLE_LO_BASE = tl.constexpr(0x0C080000)  # the table words' bytes at o = 0 (as integers mod 2**32)
+E4M3_TABLE_HI_BASE = tl.constexpr(0x1C181410)
 FOLD_SPAN = 11  # a block folds exactly when its scale byte is at most this far below its row's largest
 E4M3_UNFOLDED_O = 1
-E4M3_UNFOLDED_LO = tl.constexpr((E4M3_UNFOLDED_O * 0x08080800 + E4M3_TABLE_LO_BASE) & 0xFFFFFFFF)
-E4M3_UNFOLDED_HI = tl.constexpr((E4M3_UNFOLDED_O * 0x08080808 + E4M3_TABLE_HI_BASE) & 0xFFFFFFFF)
-
-
-@triton.jit
-def e4m3_table_addends(ref):
-    """Per row (int32 reference exponent byte ``ref``, its largest scale byte): the addends of the two E4M3 table words
-    of ``E2M1X8_TO_E4M3_TABLE_ASM``, b * 0x08080800 + lo and b * 0x08080808 + hi for a block of scale byte b (o = b + 12
-    - ref), as uint32 (wrapping products)."""
-    o0 = (12 - ref).to(tl.uint32, bitcast=True)
-    return o0 * 0x08080800 + 0x0C080000, o0 * 0x08080808 + 0x1C181410
+E4M3_UNFOLDED_LO = tl.constexpr((E4M3_UNFOLDED_O * 0x08080800 + E4M3_TABLE_LO_BASE.value) & 0xFFFFFFFF)
+E4M3_UNFOLDED_HI = tl.constexpr((E4M3_UNFOLDED_O * 0x08080808 + E4M3_TABLE_HI_BASE.value) & 0xFFFFFFFF)
 
 
 @triton.jit
@@ -213,7 +202,7 @@ def _e4m3_table_asm(b, lo, hi):
 E2M1X8_TO_E4M3_TABLE_ASM = tl.constexpr(_e4m3_table_asm("$3", "$7", "$11"))
 """With ``pack=4`` (the 4 bytes of a prepared word as one register): $0 / $1 = the E4M3 bytes of the word's values
 in activation slots 4q .. 4q+3 / 16 + 4q .. 16 + 4q + 3 (``prepare.e4m3_slot_order``) of the prepared word $2 (stored
-word q of its block), looked up in the table of scale byte $3 with the row's addends $7 / $11 (``e4m3_table_addends``;
+word q of its block), looked up in the table of scale byte $3 with the row's addends $7 / $11 (``gemm_sm90._e4m3_addends``;
 $4..$6, $8..$10, $12..$14 repeat them). The word's bits are placed for BF16 (a value's sign 7 bits above its ``eem``),
 so the lookup first gathers the 8 ``eem`` fields into nibbles: ``n`` = bytes 0 and 2 of the word >> 2 (values 2, 0 and
 3, 1: K 8 + 2q, 2q, 9 + 2q, 1 + 2q) and bytes 1 and 3 of the word with bits 0, 1, 16, 17 moved up by 8 (values 6, 5, 7,

@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_BF16_HALVES_HI_ASM, E2M1X8_TO_BF16_HALVES_LO_ASM,
-                      E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_TABLE_ASM, E4M3_UNFOLDED_HI, E4M3_UNFOLDED_LO,
-                      FOLD_REF_MAX)
+                      E2M1X8_TO_BF16_KORDER_ASM, E2M1X8_TO_E4M3_TABLE_ASM, E4M3_TABLE_HI_BASE, E4M3_TABLE_LO_BASE,
+                      E4M3_UNFOLDED_HI, E4M3_UNFOLDED_LO, FOLD_REF_MAX)
 
 LOADER_WARPS = gl.constexpr(4)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -87,16 +87,17 @@ def _block_factor(b):
 
 @gluon.jit
 def _e4m3_addends(ref):
-    """Per row, the addends of the W4A8 fast path's E4M3 table words from its reference byte ``ref``
-    (``convert.e4m3_table_addends``): uint32 (lo, hi), wrapping products."""
+    """Per row, the addends of the W4A8 fast path's E4M3 table words from its reference byte ``ref``, its largest scale
+    byte: b * 0x08080800 + lo and b * 0x08080808 + hi are a block's table words for scale byte b (o = b + 12 - ref,
+    ``convert.E2M1X8_TO_E4M3_TABLE_ASM``); uint32, wrapping products."""
     o0 = (12 - ref).to(gl.uint32, bitcast=True)
-    return o0 * 0x08080800 + 0x0C080000, o0 * 0x08080808 + 0x1C181410
+    return o0 * 0x08080800 + E4M3_TABLE_LO_BASE, o0 * 0x08080808 + E4M3_TABLE_HI_BASE
 
 
 @gluon.jit
 def _times_row_fold(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH: gl.constexpr, BM: gl.constexpr, ROWS: gl.constexpr):
     """W4A8 fast-path accumulators times each weight row's 2**(ref - 133) (its blocks folded into E4M3 as 2**(b + 6 -
-    ref), ``convert.e4m3_table_addends``); the second half's rows start ``half_rows`` after the first's."""
+    ref), ``_e4m3_addends``); the second half's rows start ``half_rows`` after the first's."""
     offs_r = gl.arange(0, BM, layout=ROWS)
     acc_g = acc_g * _pow2(gl.load(ref_ptr + w_row0 + offs_r) - 133)[:, None]
     if NH == 2:

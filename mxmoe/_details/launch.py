@@ -101,12 +101,6 @@ def gemm2_pair_fits(n: int) -> bool:
     return n % 128 == 0
 
 
-def gluon_tile_cap(fp8: bool) -> int:
-    """Largest route tile of the small-tile Gluon kernel: 128 routed rows (W4A8's fast path folds its scales into the
-    weights: no per-block partial sums beside the accumulators)."""
-    return 128
-
-
 GLUON_VALIDATED_TRITON = ("3.6",)  # major.minor releases the Gluon kernel was measured and tested on
 
 
@@ -201,7 +195,7 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         # reference shape: T=512 W4A16 0.957 -> 0.893, W4A8 0.817 -> 0.803 ms; T=576 1.080 -> 0.902, 0.862 ->
         # 0.812; equal at 12.4 rows, slower below; docs/perf-notes.md step 14)
         chosen_bt = override.pop("block_rows", None)
-        bt = chosen_bt or tile_rows_for(rows, num_experts, cap=gluon_tile_cap(fp8), first_fill=0.75)
+        bt = chosen_bt or tile_rows_for(rows, num_experts, first_fill=0.75)
         # W4A16 with more than WIDE_FROM rows per expert (most experts past one 128-row tile): 256-row tiles, GEMM1
         # on two warpgroups (``wide``: half the conversion per MMA), GEMM2 likewise (persistent) where its scale words
         # fit (I % 128 == 0), else on their 128-row halves; GEMM2's N (= H, GEMM1's K) % 128 == 0. H200, reference
