@@ -2,11 +2,9 @@
 
     python3 scripts/w4a8_fold.py [acc] [layer] [time] [ab=<dir of a base mxmoe>]   (default: all three)
 
-``acc``: each GEMM's FP32 output against float64 of the same E4M3 operands (SPEC §5: <= 1.5e-3), with and without
-per-step promotion, on the three SPEC shapes at several T (so every route-tile height). GEMM1 with its up rows zeroed
-and activation swigluoai at alpha 0, limit 1e30 (= gate / 2 exactly, ``launch.gemm1_rows``); GEMM2 from a W4A8 call
-whose routed rows go to an FP32 buffer (the workspace's ``routed_out`` swapped), against the quantized intermediate the
-call itself produced (``inter_q`` in slot order, ``inter_scale``). ``layer``: the whole call against the exact FP32
+``acc``: each GEMM's FP32 output against float64 of the same E4M3 operands (SPEC §5: <= 1.5e-3; ``check.gemm_level``)
+on the three SPEC shapes at several T (so every route-tile height), with the default FP8 chain length or
+``promote=<steps,...>`` (``d``: the default). (Step 31's bias figures came from this script's form in commit c8d73fc.) ``layer``: the whole call against the exact FP32
 reference and the FP8 emulation, whole and per token (SPEC §5 bounds), Gaussian and Student-t (3) weights, wide scale
 spans (the exact slower path), masked routes. ``time``: reference shape, per-kernel torch-profiler times and the call's
 CUDA-event time of config variants; with ``ab=`` also the same call of another mxmoe version in the same process.
@@ -25,7 +23,7 @@ from _experts import kernel_times, per_gemm_overrides
 from mxmoe import check, reference
 from mxmoe._details import launch
 from mxmoe.bench import cuda_event_sampler, median
-from mxmoe.prepare import _e4m3_slot_k, fold_report
+from mxmoe.prepare import fold_report
 
 OUT = os.environ.get("OUT", "/tmp")
 args = sys.argv[1:]
@@ -80,45 +78,6 @@ def rel(a, b):
 select = per_gemm_overrides()
 
 
-def gemm_level(ex, ex2, T, top_k, promote):
-    """``ex``: experts whose up rows are zero (GEMM1's gate alone), ``ex2``: any (GEMM2)."""
-    E, H, I = ex.num_experts, ex.hidden_size, ex.intermediate_size
-    ids, w = routing(T, top_k, E)
-    x = torch.randn(T, H, device=dev).bfloat16()
-    over = {} if promote is None else dict(promote=promote)
-    g = launch.gemm1_rows(x, ex, w, ids, "swigluoai", 1e30, 0.0, "w4a8", None, over) * 2
-    q, s = reference.quantize_rows_fp8(x.float())
-    xq = q.double() * s.double()[:, None]
-    ref = torch.zeros(T * top_k, I, dtype=torch.float64, device=dev)
-    flat = ids.reshape(-1).long()
-    for e in torch.unique(flat[(flat >= 0) & (flat < E)]).tolist():
-        r = (flat == e).nonzero().squeeze(1)
-        w13, _ = reference.decode_expert(ex, e)
-        ref[r] = xq[r // top_k] @ w13[:I].double().T
-    e1 = rel(g, ref)
-    bias1 = (((g.double() - ref) * ref.sign()).sum() / ref.abs().sum()).item()  # < 0: truncation toward zero
-    # GEMM2: a whole W4A8 call, the routed rows in FP32 (routing weights applied: compare with them)
-    ws = mxmoe.Workspace(ex2, T, top_k)
-    ws.routed_out = torch.empty(T * top_k, H, dtype=torch.float32, device=dev)
-    out = torch.empty_like(x)
-    launch.run_fused_moe(x, ex2, w, ids, "silu", float("inf"), 1.0, None, "w4a8", out, ws, over)
-    slot = ws.route_slot[: T * top_k].long()
-    ok = slot >= 0
-    k_of = torch.tensor(_e4m3_slot_k(), device=dev)
-    a_slots = ws.inter_q[slot[ok]].float().reshape(-1, I // 32, 32)
-    a = torch.empty_like(a_slots)
-    a[..., k_of] = a_slots  # slot order -> K order
-    a = a.reshape(-1, I).double() * ws.inter_scale[slot[ok]].double()[:, None]
-    routes = ok.nonzero().squeeze(1)
-    ref2 = torch.zeros(routes.numel(), H, dtype=torch.float64, device=dev)
-    for e in torch.unique(flat[routes]).tolist():
-        sel = (flat[routes] == e).nonzero().squeeze(1)
-        _, w2 = reference.decode_expert(ex2, e)
-        ref2[sel] = (a[sel] @ w2.double().T) * w.reshape(-1)[routes[sel]].double()[:, None]
-    e2 = rel(ws.routed_out[routes], ref2)
-    return e1, e2, bias1
-
-
 if "acc" in stages:
     shapes = (((288, 4096, 1024, 8), (16, 256, 2048, 8192)), ((256, 7168, 2048, 8), (1024, 4096)),
               ((128, 2880, 2880, 4), (1024,)))
@@ -127,15 +86,16 @@ if "acc" in stages:
     if CPU:
         shapes = (((8, 128, 64, 2), (3, 40)), ((4, 96, 160, 3), (5,)))
     for (E, H, I, top_k), Ts in shapes:
-        src = mxmoe.unprepare_weights(experts_for(E, H, I))
-        src["w13"][:, I:] = 0  # the up rows: E2M1 zeros (gate_up source layout)
-        ex = mxmoe.prepare_weights(**src)
-        ex2 = experts_for(E, H, I, seed=3)
+        ex = check.make_experts(E, H, I, seed=0, device=dev, gen_device=dev, zero_up=True)[0]
         for T in Ts:
+            ids, w = routing(T, top_k, E)
+            x = torch.randn(T, H, device=dev).bfloat16()
             for promote in [None if p == "d" else int(p) for p in opts.get("promote", "d").split(",")]:
-                e1, e2, bias1 = gemm_level(ex, ex2, T, top_k, promote)
-                emit(dict(stage="acc", shape=(E, H, I, top_k), T=T, promote=promote, gemm1=e1, gemm2=e2, bias1=bias1),
-                     f"acc {E},{H},{I},{top_k} T={T} promote={'default' if promote is None else promote}: GEMM1 {e1:.2e} (bias {bias1:+.1e}) GEMM2 {e2:.2e}")
+                m, _ = check.gemm_level(x, ex, w, ids, config_override=None if promote is None else dict(promote=promote))
+                e1, e2 = m["w4a8_gemm1_vs_f64"], m["w4a8_gemm2_vs_f64"]
+                emit(dict(stage="acc", shape=(E, H, I, top_k), T=T, promote=promote, gemm1=e1, gemm2=e2),
+                     f"acc {E},{H},{I},{top_k} T={T} promote={'default' if promote is None else promote}: "
+                     f"GEMM1 {e1:.2e} GEMM2 {e2:.2e}")
 
 if "layer" in stages:
     cases = (((288, 4096, 1024, 8), 512, "normal", "normal"),
