@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import bench, check
+from . import bench, check, fuzz
 
 
 def _arg_type(fn, what: str):
@@ -76,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--list", action="store_true", help="list the cases and exit")
     c.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     c.add_argument("--json", dest="json_path", metavar="PATH", help="write every metric to a JSON file")
+    c.add_argument("--fuzz", type=_arg_type(_positive, "count"), metavar="N",
+                   help="instead of the cases: N randomized cases (shapes, routings, scale bytes, ids, biases, "
+                        "activations, graph replay, poisoned tokens) against the references with SPEC §5's bounds; "
+                        "each failure prints a one-line reproduction; --json writes the counts and the worst error "
+                        "per category")
+    c.add_argument("--start", type=_arg_type(_non_negative, "index"), default=0, metavar="I",
+                   help="with --fuzz: the first case's index (default 0); case I of a seed is the same in any run")
+    c.add_argument("--precision", type=_arg_type(_choices(fuzz.PRECISIONS, "precision"), "precision list"),
+                   default=fuzz.PRECISIONS, metavar="P,...", help="with --fuzz: w4a16, w4a8 or both (default)")
 
     b = sub.add_parser(
         "bench", help="time both paths and the peers against measured floors",
@@ -111,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_check(args, parser) -> int:
     device = _device(args.device, parser)
     small = args.small or device.type != "cuda"
+    if args.fuzz is not None:
+        if args.cases or args.list:
+            parser.error("--fuzz runs random cases: it takes neither --cases nor --list")
+        return fuzz.run_fuzz(args.fuzz, device, seed=args.seed, start=args.start, precisions=args.precision,
+                             small=small, json_path=args.json_path)
+    if args.start or args.precision != fuzz.PRECISIONS:
+        parser.error("--start and --precision go with --fuzz")
     cases = check.default_cases(small)
     if args.list:
         for case in cases:

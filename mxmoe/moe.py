@@ -116,6 +116,12 @@ def fused_moe(
     """
     T, top_k = validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out)
     ran = select_precision(T * top_k, precision=precision)
+    if workspace is not None:  # the same check on every path (the emulation reads no workspace)
+        from ._details.launch import Workspace
+
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must be a mxmoe.Workspace, got {type(workspace).__name__}")
+        workspace.check(experts, T, top_k, ran == "w4a8")
     limit, alpha = activation_params(activation, swiglu_limit, swiglu_alpha)
     if kernel_backend(x.device) == "triton":
         from ._details.launch import run_fused_moe

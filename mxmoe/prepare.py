@@ -20,8 +20,11 @@ Layout (``PreparedExperts``):
 * ``w13_scale`` uint8 ``[E, 2I, H/32]`` (row-major); ``w2`` uint8 ``[E, H, I/2]`` (same byte order and row
   blocks);
   ``w2_scale`` uint8 ``[E, H, I/32]``.
+* A block of zeros whose scale byte is above the largest byte of its row's nonzero blocks gets that byte instead
+  (:func:`kernel_scales`; the source's bytes are kept in ``w13_scale_restore`` / ``w2_scale_restore`` for
+  :func:`unprepare_weights`).
 * ``w13_ref`` / ``w2_ref`` int32 ``[E, rows]``: each row's reference exponent byte (its
-  largest scale byte). The W4A16 kernels fold ``2**(b - r)``, r = min(ref, 253), into the BF16
+  largest scale byte, so the largest of its nonzero blocks'). The W4A16 kernels fold ``2**(b - r)``, r = min(ref, 253), into the BF16
   weights (BF16 holds any fold exactly; ``_details.convert.FOLD_REF_MAX``) and apply ``2**(r - 127)``
   once per row in the FP32 epilogue. The W4A8 kernels fold ``2**(b - ref + 6)`` into the E4M3 weights
   (``_details/convert.py``: one byte-permute table per K32 block) and apply ``2**(ref - 133)`` per row after the
@@ -46,8 +49,9 @@ W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
 # of each block's values placed for shift-and-mask conversion, interleave_block_bits), so that
 # experts prepared by another mxmoe version (e.g. unpickled) are refused instead of decoded wrongly; 4: rows in
 # blocks of 64, unit-major inside a block, to_row_blocks; 5: 32-B units where K % 64 == 0, 64 B before where
-# K % 128 == 0; 6: the per-expert W4A8 fold flags)
-LAYOUT_VERSION = 6
+# K % 128 == 0; 6: the per-expert W4A8 fold flags; 7: zero blocks' bytes lowered to their row's largest nonzero
+# block's, kernel_scales)
+LAYOUT_VERSION = 7
 WEIGHT_BLOCK_ROWS = 64  # rows per block of the prepared weights (to_row_blocks)
 
 
@@ -70,6 +74,8 @@ class PreparedExperts:
     source_layout: str
     source_scale_dtypes: tuple  # (w13_scale, w2_scale) dtypes as given, for unprepare_weights
     all_fold: bool  # every expert folds in both GEMMs (w13_fold, w2_fold all 1): W4A8 launches no slower exact kernel
+    w13_scale_restore: torch.Tensor  # int64 [n, 2]: (flat index, source byte) of the zero blocks' lowered bytes
+    w2_scale_restore: torch.Tensor  # (kernel_scales; n = 0 for quantized weights)
     layout_version: int = LAYOUT_VERSION
 
     @property
@@ -93,7 +99,8 @@ class PreparedExperts:
         parts = {
             "weights": self.w13.nbytes + self.w2.nbytes,
             "scales": self.w13_scale.nbytes + self.w2_scale.nbytes,
-            "row_metadata": self.w13_ref.nbytes + self.w2_ref.nbytes + self.w13_fold.nbytes + self.w2_fold.nbytes,
+            "row_metadata": sum(t.nbytes for t in (self.w13_ref, self.w2_ref, self.w13_fold, self.w2_fold,
+                                                   self.w13_scale_restore, self.w2_scale_restore)),
             "biases": sum(t.nbytes for t in (self.b13, self.b2, self.w13_global_scale, self.w2_global_scale) if t is not None),
         }
         n_weights = 2 * (self.w13.numel() + self.w2.numel())
@@ -262,8 +269,48 @@ def e4m3_slot_order(x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_ref(scale_u8: torch.Tensor) -> torch.Tensor:
-    """Per row: the reference exponent byte (the largest scale byte), int32."""
+    """Per row: the reference exponent byte (the largest scale byte of the kernels' scales), int32."""
     return scale_u8.amax(dim=-1).to(torch.int32).contiguous()
+
+
+def _nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
+    """bool ``[E, rows, K/32]`` of source-order packed E2M1 ``[E, rows, K/2]``: the blocks holding a nonzero value."""
+    E, rows, kb = packed.shape
+    return ((packed & 0x77) != 0).reshape(E, rows, kb // 16, 16).any(-1)
+
+
+def kernel_scales(packed: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale bytes the kernels read, and what restores the source's: ``(scales, restore int64 [n, 2])``.
+
+    A block of zeros is zero whatever its byte, but a row's reference exponent (its largest byte) would follow a zero
+    block's large byte and leave the row's real blocks far below it: W4A16 folds them into BF16 subnormals (lost
+    bits), W4A8 sends the expert to the slower unfolded path. So a zero block's byte above the largest byte of its
+    row's nonzero blocks is lowered to that byte; ``restore`` holds each lowered byte's flat index and source value
+    (for :func:`unprepare_weights`). In a row of zeros only, bytes above 127 are lowered to 127 (W4A8's exact path
+    would scale its zeros by 2^(b - 127) and overflow). ``packed``: source order, rows as ``scale_u8``'s."""
+    E, rows, nb = scale_u8.shape
+    scales = scale_u8.clone()
+    lowered = []
+    step = max(1, _EXPERT_CHUNK_BYTES // max(rows * nb * 16, 1))
+    for e0 in range(0, E, step):
+        s = scales[e0:e0 + step]
+        nonzero = _nonzero_blocks(packed[e0:e0 + step])
+        ref = torch.where(nonzero, s.to(torch.int16), torch.full_like(s, -1, dtype=torch.int16)).amax(-1, keepdim=True)
+        ref = torch.where(ref >= 0, ref, torch.full_like(ref, 127))  # a row of zeros: 2^0
+        high = ~nonzero & (s.to(torch.int16) > ref)
+        idx = high.flatten().nonzero().squeeze(1)
+        if idx.numel():
+            lowered.append(torch.stack((idx + e0 * rows * nb, s.flatten()[idx].long()), dim=1))
+            s.copy_(torch.where(high, ref.expand_as(s).to(torch.uint8), s))
+    restore = torch.cat(lowered) if lowered else torch.zeros(0, 2, dtype=torch.int64, device=scales.device)
+    return scales, restore
+
+
+def _restored(scales: torch.Tensor, restore: torch.Tensor) -> torch.Tensor:
+    out = scales.clone()
+    if restore.numel():
+        out.view(-1)[restore[:, 0]] = restore[:, 1].to(torch.uint8)
+    return out
 
 
 def fold_fits(packed: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
@@ -279,7 +326,7 @@ def fold_fits(packed: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
     for e0 in range(0, E, step):
         w = packed[e0:e0 + step]
         s = scale_u8[e0:e0 + step].to(torch.int32)
-        nonzero = ((w & 0x77) != 0).reshape(w.shape[0], rows, kb // 16, 16).any(-1)  # any magnitude bit in the block
+        nonzero = _nonzero_blocks(w)
         low = s < s.amax(dim=-1, keepdim=True) - FOLD_SPAN
         out[e0:e0 + step] = (~(nonzero & low)).flatten(1).all(-1).to(torch.int32)
     return out
@@ -385,10 +432,13 @@ def prepare_weights(
     w13_n = _to_gate_up(w13, w13_layout)
     s13_n = _to_gate_up(s13, w13_layout)
 
-    fold13, fold2 = fold_fits(w13, s13), fold_fits(w2, s2)
+    s13_k, restore13 = kernel_scales(w13_n, s13_n)
+    s2_k, restore2 = kernel_scales(w2, s2)
+    fold13, fold2 = fold_fits(w13_n, s13_k), fold_fits(w2, s2_k)
     return PreparedExperts(
-        w13=_prepared_bytes(w13_n), w13_scale=s13_n, w2=_prepared_bytes(w2), w2_scale=s2.contiguous(),
-        w13_ref=_row_ref(s13_n), w2_ref=_row_ref(s2), w13_fold=fold13, w2_fold=fold2,
+        w13=_prepared_bytes(w13_n), w13_scale=s13_k.contiguous(), w2=_prepared_bytes(w2), w2_scale=s2_k.contiguous(),
+        w13_ref=_row_ref(s13_k), w2_ref=_row_ref(s2_k), w13_fold=fold13, w2_fold=fold2,
+        w13_scale_restore=restore13, w2_scale_restore=restore2,
         all_fold=bool(fold13.all()) and bool(fold2.all()),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
@@ -410,8 +460,10 @@ def unprepare_weights(experts: PreparedExperts) -> dict:
     w13, w2 = experts.source_order_weights()
     out = dict(
         w13=_from_gate_up(w13, layout).contiguous(),
-        w13_scale=scale(_from_gate_up(experts.w13_scale, layout).contiguous(), experts.source_scale_dtypes[0]),
-        w2=w2, w2_scale=scale(experts.w2_scale.clone(), experts.source_scale_dtypes[1]), w13_layout=layout,
+        w13_scale=scale(_from_gate_up(_restored(experts.w13_scale, experts.w13_scale_restore), layout).contiguous(),
+                        experts.source_scale_dtypes[0]),
+        w2=w2, w2_scale=scale(_restored(experts.w2_scale, experts.w2_scale_restore), experts.source_scale_dtypes[1]),
+        w13_layout=layout,
     )
     if experts.b13 is not None:
         out["b13"] = _from_gate_up(experts.b13.unsqueeze(-1), layout).squeeze(-1).contiguous()

@@ -107,40 +107,61 @@ def fused_moe_reference(
     Returns FP32 ``[T, H]`` for ``mode="exact"``, BF16 otherwise. Masked routes (id out
     of range or mapped to -1 by ``expert_map``) contribute exactly zero.
     """
-    if mode not in REFERENCE_MODES:
-        raise ValueError(f"mode must be one of {REFERENCE_MODES}, got {mode!r}")
+    return fused_moe_references(x, experts, topk_weights, topk_ids, activation=activation, swiglu_limit=swiglu_limit,
+                                swiglu_alpha=swiglu_alpha, expert_map=expert_map, modes=(mode,))[mode]
+
+
+def fused_moe_references(
+    x: torch.Tensor,
+    experts: PreparedExperts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    swiglu_limit: Optional[float] = None,
+    swiglu_alpha: Optional[float] = None,
+    expert_map: Optional[torch.Tensor] = None,
+    modes: tuple = REFERENCE_MODES,
+) -> dict:
+    """:func:`fused_moe_reference` in each of ``modes`` at once: ``{mode: output}``. Each expert's weights are
+    decoded once for all modes (the fuzz harness's references)."""
+    for mode in modes:
+        if mode not in REFERENCE_MODES:
+            raise ValueError(f"mode must be one of {REFERENCE_MODES}, got {mode!r}")
     T, top_k = topk_ids.shape
     H = experts.hidden_size
     local = local_expert_ids(topk_ids, experts.num_experts, expert_map).reshape(-1)
     weights = topk_weights.float().reshape(-1)
-    xf = x.float()
-    if mode == "w4a16":
-        xf = x.to(torch.bfloat16).float()
-    elif mode == "w4a8":
-        xf = fp8_roundtrip(x.float())  # each token quantized once, shared by its routes
-    routed = torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device)
+    xs = {"exact": x.float(), "w4a16": x.to(torch.bfloat16).float()}
+    if "w4a8" in modes:
+        xs["w4a8"] = fp8_roundtrip(x.float())  # each token quantized once, shared by its routes
+    routed = {mode: torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device) for mode in modes}
     with _no_tf32():
         for e in torch.unique(local[local >= 0]).tolist():
             route = (local == e).nonzero().squeeze(1)
             w13, w2 = decode_expert(experts, e)
-            h = xf[route // top_k] @ w13.T
-            if experts.b13 is not None:
-                h = h + experts.b13[e]
-            a = apply_activation(h, activation, swiglu_limit, swiglu_alpha)
-            if mode == "w4a16":
-                a = a.to(torch.bfloat16).float()
-            elif mode == "w4a8":
-                a = fp8_roundtrip(a)
-            y = a @ w2.T
-            if experts.b2 is not None:
-                y = y + experts.b2[e]
-            y = y * weights[route].unsqueeze(1)
-            routed[route] = y if mode == "exact" else y.to(torch.bfloat16).float()
-    out = routed.reshape(T, top_k, H)
-    total = out[:, 0].clone()
-    for k in range(1, top_k):  # fixed order, as the kernels sum
-        total += out[:, k]
-    return total if mode == "exact" else total.to(torch.bfloat16)
+            for mode in modes:
+                h = xs[mode][route // top_k] @ w13.T
+                if experts.b13 is not None:
+                    h = h + experts.b13[e]
+                a = apply_activation(h, activation, swiglu_limit, swiglu_alpha)
+                if mode == "w4a16":
+                    a = a.to(torch.bfloat16).float()
+                elif mode == "w4a8":
+                    a = fp8_roundtrip(a)
+                y = a @ w2.T
+                if experts.b2 is not None:
+                    y = y + experts.b2[e]
+                y = y * weights[route].unsqueeze(1)
+                routed[mode][route] = y if mode == "exact" else y.to(torch.bfloat16).float()
+    outs = {}
+    for mode in modes:
+        out = routed[mode].reshape(T, top_k, H)
+        total = out[:, 0].clone()
+        for k in range(1, top_k):  # fixed order, as the kernels sum
+            total += out[:, k]
+        outs[mode] = total if mode == "exact" else total.to(torch.bfloat16)
+    return outs
 
 
 def relative_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

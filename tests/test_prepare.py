@@ -182,8 +182,8 @@ def test_memory_reports_4_25_bits_per_weight():
 def test_row_ref_for_hand_made_spans(span):
     # K = 128: four scale blocks per row, so the span sits between blocks 1 and 3
     h, i = 128, 128
-    w13 = torch.zeros(1, 2 * i, h // 2, dtype=torch.uint8)
-    w2 = torch.zeros(1, h, i // 2, dtype=torch.uint8)
+    w13 = torch.full((1, 2 * i, h // 2), 0x22, dtype=torch.uint8)  # nonzero blocks: their bytes set the reference
+    w2 = torch.full((1, h, i // 2), 0x22, dtype=torch.uint8)
     s13 = torch.full((1, 2 * i, h // 32), 120, dtype=torch.uint8)
     s2 = torch.full((1, h, i // 32), 120, dtype=torch.uint8)
     lo = 60
@@ -234,6 +234,39 @@ def test_fold_flag_ignores_blocks_of_zeros():
     assert ex.w2_fold.tolist() == [1, 1] and ex.all_fold
     ex = _one_row_experts([(254, True), (0, True)])
     assert ex.w2_fold.tolist() == [0, 1] and not ex.all_fold
+
+
+def test_zero_blocks_bytes_do_not_set_the_row_reference():
+    """Found by ``mxmoe check --fuzz``: a block of zeros with a large byte (252) set its row's reference, leaving the
+    row's real blocks ~130 binades below it (W4A16: BF16 subnormals, 3-6 % wrong; W4A8: the expert off the fast path).
+    Its byte is lowered to the row's largest nonzero block's; a row of zeros gets at most 127 (W4A8's exact path
+    scaled the zeros by 2^124 and overflowed). Unprepare still gives the source bytes."""
+    ex = _one_row_experts([(120, True), (252, False), (118, True), (0, False)])
+    assert ex.w2_scale[0, 0].tolist() == [120, 120, 118, 0]
+    assert ex.w2_ref[0, 0].item() == 120
+    assert ex.w2_fold.tolist() == [1, 1] and ex.all_fold
+    zeros = _one_row_experts([(244, False), (251, False), (100, False)])
+    assert zeros.w2_scale[0, 0].tolist() == [127, 127, 100] and zeros.w2_ref[0, 0].item() == 127
+    for experts, source in ((ex, [120, 252, 118, 0]), (zeros, [244, 251, 100])):
+        back = unprepare_weights(experts)
+        assert back["w2_scale"][0, 0].tolist() == source
+        assert experts.w2_scale_restore.shape[1] == 2 and experts.w13_scale_restore.numel() == 0
+
+
+def test_zero_block_bytes_are_restored_in_every_w13_layout():
+    """The lowered bytes of w13 come back at their source rows whatever the row layout."""
+    gen = torch.Generator().manual_seed(3)
+    for layout in ("gate_up", "up_gate", "interleaved"):
+        w13 = torch.randint(0, 256, (2, 64, 32), generator=gen, dtype=torch.uint8)
+        s13 = torch.randint(110, 130, (2, 64, 2), generator=gen, dtype=torch.uint8)
+        w13[1, 5, :16] = 0x80  # a zero block (one negative zero)
+        s13[1, 5, 0] = 250
+        w2 = torch.full((2, 64, 16), 0x22, dtype=torch.uint8)
+        s2 = torch.full((2, 64, 1), 120, dtype=torch.uint8)
+        ex = prepare_weights(w13, s13, w2, s2, w13_layout=layout)
+        assert ex.w13_scale_restore.shape[0] == 1 and int(ex.w13_scale.max()) < 250
+        back = unprepare_weights(ex)
+        assert torch.equal(back["w13_scale"], s13) and torch.equal(back["w13"], w13)
 
 
 def test_gaussian_and_heavy_tailed_weights_fold():

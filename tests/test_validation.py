@@ -183,3 +183,35 @@ def test_bool_limit_and_overlapping_out_rejected(no_triton_interpret):
         mxmoe.fused_moe(x, ex, w, ids, swiglu_limit=True)
     with pytest.raises(ValueError, match="out"):
         mxmoe.fused_moe(x, ex, w, ids, out=buf[1:5])  # shares rows 1..3 with x
+
+
+@pytest.mark.parametrize("change, names", [
+    (dict(max_tokens=T - 1), f"it holds {T - 1} tokens, this call has {T}"),
+    (dict(top_k=1), "it holds top_k 1, this call has top_k 2"),
+])
+def test_too_small_workspace_raises_on_the_emulation_path_too(experts, change, names):
+    """The CPU emulation reads no workspace, but a call that would not fit it on the kernels raises the same
+    ValueError, naming what is too small and nothing else (not ``fp8=``), before writing ``out``."""
+    a = valid_args(experts)
+    x, w, ids = a["x"], a["topk_weights"], a["topk_ids"]
+    kw = dict(max_tokens=T, top_k=ids.shape[1])
+    kw.update(change)
+    ws = mxmoe.Workspace(experts, kw.pop("max_tokens"), kw.pop("top_k"))
+    out = sentinel_out()
+    with pytest.raises(ValueError) as err:
+        fused_moe(x, experts, w, ids, workspace=ws, out=out)
+    assert str(err.value) == "workspace does not fit this call: " + names
+    assert "fp8" not in str(err.value)
+    assert torch.equal(out, sentinel_out())
+    fused_moe(x[: T - 1], experts, w[: T - 1, :1].contiguous(), ids[: T - 1, :1].contiguous(), workspace=ws)  # fits
+
+
+def test_workspace_without_w4a8_scratch_names_it(experts):
+    a = valid_args(experts)
+    x, w, ids = a["x"], a["topk_weights"], a["topk_ids"]
+    ws = mxmoe.Workspace(experts, T, ids.shape[1], fp8=False)
+    fused_moe(x, experts, w, ids, workspace=ws, precision="w4a16")
+    with pytest.raises(ValueError, match=r"^workspace does not fit this call: this call runs W4A8 and it has no W4A8"):
+        fused_moe(x, experts, w, ids, workspace=ws, precision="w4a8")
+    with pytest.raises(TypeError, match="workspace must be a mxmoe.Workspace"):
+        fused_moe(x, experts, w, ids, workspace=object())

@@ -374,10 +374,30 @@ class Workspace:
             self.inter_q = torch.empty(max_rows, I, dtype=torch.float8_e4m3fn, device=device)
             self.inter_scale = torch.empty(max_rows, dtype=torch.float32, device=device)
 
+    def shortfalls(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> list[str]:
+        """What this workspace lacks for a call (an empty list where it fits), one phrase each."""
+        shape = (experts.num_experts, experts.hidden_size, experts.intermediate_size)
+        wrong = []
+        if self.shape != shape:
+            wrong.append("it was sized for experts of (E, H, I) = %s, these are %s" % (self.shape, shape))
+        if self.counts.device != experts.device:
+            wrong.append(f"it is on {self.counts.device}, the experts on {experts.device}")
+        if tokens > self.max_tokens:
+            wrong.append(f"it holds {self.max_tokens} tokens, this call has {tokens}")
+        if top_k > self.top_k:
+            wrong.append(f"it holds top_k {self.top_k}, this call has top_k {top_k}")
+        if fp8 and not self.fp8:
+            wrong.append("this call runs W4A8 and it has no W4A8 scratch (created with fp8=False)")
+        return wrong
+
     def fits(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> bool:
-        return (self.shape == (experts.num_experts, experts.hidden_size, experts.intermediate_size)
-                and tokens <= self.max_tokens and top_k <= self.top_k and (self.fp8 or not fp8)
-                and self.counts.device == experts.device)
+        return not self.shortfalls(experts, tokens, top_k, fp8)
+
+    def check(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> None:
+        """Raise ``ValueError`` naming what this workspace lacks for the call, if anything."""
+        wrong = self.shortfalls(experts, tokens, top_k, fp8)
+        if wrong:
+            raise ValueError("workspace does not fit this call: " + "; ".join(wrong))
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.__dict__.values() if isinstance(t, torch.Tensor))
@@ -630,9 +650,8 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
     fp8 = precision == "w4a8"
     if workspace is None:
         workspace = workspace_for(experts, T, top_k, fp8)
-    elif not workspace.fits(experts, T, top_k, fp8):
-        raise ValueError(f"workspace is too small or for other shapes (sized for {workspace.max_tokens} tokens, "
-                         f"top_k {workspace.top_k}, fp8={workspace.fp8}; this call: {T} tokens, top_k {top_k}, fp8={fp8})")
+    else:
+        workspace.check(experts, T, top_k, fp8)
     R = T * top_k
     # the Gluon kernel: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
