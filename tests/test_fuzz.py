@@ -84,7 +84,7 @@ def _break(monkeypatch, change):
 def test_a_wrong_path_fails_with_a_reproduction(capsys, monkeypatch, tmp_path):
     _break(monkeypatch, lambda x, p, y: y.mul_(1.05) if p == "w4a8" else None)
     path = tmp_path / "fuzz.json"
-    assert main(["check", "--fuzz", "6", "--seed", "5", "--start", "10", "--json", str(path)]) == 1
+    assert main(["check", "--fuzz", "6", "--seed", "5", "--start", "10", "--device", "cpu", "--json", str(path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL case 10 w4a8" in out and "w4a16" not in out.split("FAIL")[1].splitlines()[0]
     assert "reproduce: mxmoe check --fuzz 1 --start 10 --seed 5 --device cpu --precision w4a8" in out
@@ -104,10 +104,10 @@ def test_a_poisoned_token_that_leaks_fails(capsys, monkeypatch):
     _break(monkeypatch, leak)
     poisoned = [i for i in range(200) if fuzz.draw_case(0, i, True).poison == "x"][:2]
     for i in poisoned:
-        assert main(["check", "--fuzz", "1", "--start", str(i), "--precision", "w4a16"]) == 1
+        assert main(["check", "--fuzz", "1", "--start", str(i), "--precision", "w4a16", "--device", "cpu"]) == 1
         assert "w4a16:poison_x_isolated" in capsys.readouterr().out
     clean = next(i for i in range(200) if not fuzz.draw_case(0, i, True).poison)
-    assert main(["check", "--fuzz", "1", "--start", str(clean)]) == 0
+    assert main(["check", "--fuzz", "1", "--start", str(clean), "--device", "cpu"]) == 0
 
 
 def test_fuzz_arguments(capsys):
@@ -125,3 +125,18 @@ def test_fuzz_cases_through_the_interpreted_kernels(capsys):
     assert main(["check", "--fuzz", "3", "--seed", "7"]) == 0
     out = capsys.readouterr().out
     assert "3 cases (6 case-precisions), 0 failed" in out and "Triton's interpreter" in out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reads the kernels' intermediate")
+def test_token_excess_explanation_checks_the_kernels_own_intermediate():
+    """explain_token_excess accepts the kernels' own output (codes within a half step plus 4x SPEC's GEMM error of
+    the exact activation, GEMM2 of those codes matching), and refuses a token that GEMM2 got wrong."""
+    case = fuzz.FuzzCase(seed=0, index=0, E=4, H=64, I=64, top_k=2, T=6, biases=True, activation="swigluoai")
+    inp = fuzz.build(case, torch.device("cpu"))
+    out = fuzz._call(inp, case, "w4a8", None)[2]
+    good = fuzz.explain_token_excess(inp, case, out, range(case.T))
+    assert good["ok"] and good["code_dev"] <= 1.0 and good["gemm2_token"] < 5e-3
+    bad = out.clone()
+    bad[2] *= 1.02
+    # the rerun no longer matches the output it is asked to explain
+    assert not fuzz.explain_token_excess(inp, case, bad, [2])["ok"]
