@@ -2,11 +2,13 @@
 
 Data flow, one module per stage: ``format`` (E2M1-K32) -> ``prepare`` (PreparedExperts)
 -> ``routing`` (route pack) -> ``quantize`` (FP8 rows) -> GEMM1 + activation -> GEMM2 +
-top-k reduction (``_details``), behind the public entry ``fused_moe`` in ``moe``.
+top-k reduction (``_details``), behind the public entry ``fused_moe`` in ``moe`` (which calls the custom op
+``torch.ops.mxmoe.fused_moe`` of ``op``) and the module ``MoEExperts`` in ``module``.
 """
 from ._details.launch import Workspace
 from .format import dequantize_mxfp4, load_gpt_oss_experts, quantize_mxfp4
 from .moe import fused_moe
+from .module import MoEExperts
 from .prepare import PreparedExperts, prepare_weights, unprepare_weights
 from .reference import fused_moe_reference, relative_l2
 from .routing import RoutePack, local_expert_ids, route_pack
@@ -15,7 +17,7 @@ from .selection import select_precision
 __version__ = "0.1.0"
 
 __all__ = [
-    "PreparedExperts", "RoutePack", "Workspace", "dequantize_mxfp4", "fused_moe", "fused_moe_reference", "load_gpt_oss_experts",
+    "MoEExperts", "PreparedExperts", "RoutePack", "Workspace", "dequantize_mxfp4", "fused_moe", "fused_moe_reference", "load_gpt_oss_experts",
     "local_expert_ids", "prepare_weights", "quantize_mxfp4", "relative_l2", "route_pack", "select_precision",
     "unprepare_weights",
 ]

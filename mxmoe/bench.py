@@ -485,7 +485,7 @@ class MxmoeArm(Arm):
 
     def prepare(self, experts, shape, max_tokens):
         self.experts = experts
-        self.workspace = Workspace(experts, max_tokens, shape.top_k)  # planned scratch, as a server would
+        self.workspace = Workspace(experts, max_tokens, shape.top_k, fp8=True)  # planned scratch, as a server would
 
     def make_call(self, inp):
         out = torch.empty_like(inp.x)

@@ -755,7 +755,7 @@ def gemm_level(x: torch.Tensor, experts: PreparedExperts, topk_weights: torch.Te
     if kernels:
         from ._details.launch import Workspace
 
-        ws = Workspace(experts, T, top_k)
+        ws = Workspace(experts, T, top_k, fp8=True)
         if not hasattr(ws, "routed_out"):
             raise RuntimeError("Workspace.routed_out is gone: the GEMM2-level check writes GEMM2's rows in FP32 there")
         ws.routed_out = torch.full((R, experts.hidden_size), math.nan, dtype=torch.float32, device=x.device)
@@ -912,7 +912,12 @@ def resolve_device(name: str = "auto") -> torch.device:
     """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; CUDA devices get their index."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {name!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda asked for, but torch sees no CUDA device")

@@ -162,9 +162,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``mxmoe`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # a command is required: help, and the usage-error status
+        parser.print_help(sys.stderr)
+        return 2
     sub = parser._subparsers._group_actions[0].choices[args.command]  # for errors that name the subcommand
     try:
         if args.command == "check":

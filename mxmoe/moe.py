@@ -7,6 +7,8 @@ Which code runs where:
   interpreter, in their pure-Triton form (no inline asm) — slow, for tests.
 * CPU tensors otherwise: the PyTorch emulation of the chosen path
   (:func:`mxmoe.reference.fused_moe_reference` with ``mode`` = the precision).
+
+``fused_moe`` validates its arguments and calls the custom op ``torch.ops.mxmoe.fused_moe`` (:mod:`mxmoe.op`).
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from typing import Optional
 import torch
 
 from ._details import interpreting
+from .op import expert_tensors, workspace_handle
 from .prepare import PreparedExperts, check_layout_version
-from .reference import ACTIVATIONS, activation_params, fused_moe_reference
+from .reference import ACTIVATIONS
 from .selection import select_precision
 
 
@@ -37,11 +40,6 @@ def _check_tensor(t, name, dtypes, dim, device):
         raise ValueError(f"{name} is on {t.device}, expected {device} (the experts' device)")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out):
@@ -80,8 +78,7 @@ def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_lim
         _check_tensor(out, "out", (torch.bfloat16,), 2, device)
         if out.shape != x.shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
-        if out.numel() and _overlaps(out, x):
-            raise ValueError("out must not overlap x")
+        # (out overlapping x: checked by the op, which sees real tensors also under torch.compile)
     return T, top_k
 
 
@@ -122,13 +119,10 @@ def fused_moe(
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a mxmoe.Workspace, got {type(workspace).__name__}")
         workspace.check(experts, T, top_k, ran == "w4a8")
-    limit, alpha = activation_params(activation, swiglu_limit, swiglu_alpha)
-    if kernel_backend(x.device) == "triton":
-        from ._details.launch import run_fused_moe
-
-        result = run_fused_moe(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, ran, out, workspace)
-    else:
-        ref = fused_moe_reference(x, experts, topk_weights, topk_ids, activation=activation, swiglu_limit=swiglu_limit,
-                                  swiglu_alpha=swiglu_alpha, expert_map=expert_map, mode=ran)
-        result = ref if out is None else out.copy_(ref)
-    return (result, ran) if return_precision else result
+    if out is None:
+        out = torch.empty_like(x)
+    weights, extras, all_fold = expert_tensors(experts)
+    # the op resolves ``precision`` again when it runs (the same answer eagerly; in a compiled graph the run's)
+    torch.ops.mxmoe.fused_moe(x, weights, extras, topk_weights, topk_ids, expert_map, out, activation, swiglu_limit,
+                              swiglu_alpha, precision, all_fold, workspace_handle(workspace))
+    return (out, ran) if return_precision else out

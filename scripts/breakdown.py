@@ -26,7 +26,7 @@ if isinstance(variants, dict):
 select = per_gemm_overrides()
 for T in Ts:
     x = torch.randn(T, H, device="cuda").bfloat16(); ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
-    w = torch.rand(T, k, device="cuda"); ws = mxmoe.Workspace(ex, T, k); out = torch.empty_like(x)
+    w = torch.rand(T, k, device="cuda"); ws = mxmoe.Workspace(ex, T, k, fp8=True); out = torch.empty_like(x)
     for prec in precs:
         first = None
         for v in variants:

@@ -24,7 +24,7 @@ for T in [int(t) for t in sys.argv[1].split(",")]:
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids = torch.randint(0, E, (T, top_k), device="cuda", dtype=torch.int32)
     w = torch.rand(T, top_k, device="cuda")
-    ws, out, first = mxmoe.Workspace(experts, T, top_k), torch.empty_like(x), None
+    ws, out, first = mxmoe.Workspace(experts, T, top_k, fp8=True), torch.empty_like(x), None
     for v in json.loads(sys.argv[2]):
         flat = select(v)
         fn = lambda: launch.run_fused_moe(x, experts, w, ids, "silu", float("inf"), 1.0, None, "w4a16", out, ws, flat)

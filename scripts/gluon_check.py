@@ -58,7 +58,7 @@ if stage in ("all", "check"):
             ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
             if T >= 7: ids[T // 2] = -1; ids[0, 0] = E + 3
             w = torch.rand(T, k, device="cuda")
-            ws = mxmoe.Workspace(ex, T, k)
+            ws = mxmoe.Workspace(ex, T, k, fp8=True)
             for prec in os.environ.get("PRECS", "w4a16,w4a8").split(","):
                 t0 = time.time()
                 try:
@@ -73,7 +73,7 @@ if stage in ("all", "check"):
     for prec in os.environ.get("PRECS", "w4a16,w4a8").split(","):
         for act in ("silu", "swigluoai"):
             T = 300; x = torch.randn(T, 1024, device="cuda").bfloat16(); ids = torch.randint(0, 32, (T, 4), device="cuda"); w = torch.rand(T, 4, device="cuda")
-            ws = mxmoe.Workspace(ex, T, 4)
+            ws = mxmoe.Workspace(ex, T, 4, fp8=True)
             a = run("triton", x, ex, w, ids, prec, ws, act); b = run(os.environ.get("GLUON", "gluon"), x, ex, w, ids, prec, ws, act)
             r = dict(shape="wide", prec=prec, act=act, rel=rel(b, a), nan=int(torch.isnan(b).sum())); print(r, flush=True); rows.append(r)
 if stage in ("all", "time"):
@@ -82,7 +82,7 @@ if stage in ("all", "time"):
     for T in [int(t) for t in os.environ.get("TOKENS", "1,64,1024,2048,4096,8192").split(",")]:
         x = torch.randn(T, H, device="cuda").bfloat16()
         ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32); w = torch.rand(T, k, device="cuda")
-        ws = mxmoe.Workspace(ex, T, k)
+        ws = mxmoe.Workspace(ex, T, k, fp8=True)
         out = torch.empty_like(x)
         for prec in os.environ.get("PRECS", "w4a16,w4a8").split(","):
             variants = [{"kernel": "triton"}, {}] + (json.loads(sys.argv[2]) if len(sys.argv) > 2 else [])

@@ -39,7 +39,7 @@ if stage in ("all", "check"):
             ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
             if T >= 7: ids[T // 2] = -1; ids[0, 0] = E + 3
             w = torch.rand(T, k, device="cuda")
-            ws = mxmoe.Workspace(ex, T, k)
+            ws = mxmoe.Workspace(ex, T, k, fp8=True)
             for act in (("silu", "swigluoai") if wide else ("silu",)):
                 a = torch.full_like(x, float("nan")); call(x, ex, w, ids, ws, a, {"kernel": "triton"}, act)
                 for v in small:
@@ -58,7 +58,7 @@ if stage in ("all", "time"):
         x = torch.randn(T, H, device="cuda").bfloat16()
         ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)]).int()
         w = torch.rand(T, k, device="cuda")
-        ws = mxmoe.Workspace(ex, T, k)
+        ws = mxmoe.Workspace(ex, T, k, fp8=True)
         out = torch.empty_like(x)
         for v in variants:
             v = dict(v)

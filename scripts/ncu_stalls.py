@@ -76,7 +76,7 @@ def run(tokens, prec):
     x = torch.randn(tokens, H, device="cuda").bfloat16()
     ids = torch.randint(0, E, (tokens, k), device="cuda", dtype=torch.int32)
     w = torch.rand(tokens, k, device="cuda")
-    ws, out = mxmoe.Workspace(ex, tokens, k), torch.empty_like(x)
+    ws, out = mxmoe.Workspace(ex, tokens, k, fp8=True), torch.empty_like(x)
     for _ in range(3):
         launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, {})
     torch.cuda.synchronize()

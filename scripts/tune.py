@@ -36,7 +36,7 @@ def main():
         x = torch.randn(T, H, device="cuda").bfloat16()
         ids = torch.randint(0, E, (T, top_k), device="cuda", dtype=torch.int32)
         w = torch.rand(T, top_k, device="cuda")
-        ws = mxmoe.Workspace(ex, T, top_k)
+        ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
         out = torch.empty_like(x)
         for prec in ("w4a16", "w4a8"):
             for cfg in configs:

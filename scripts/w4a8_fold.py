@@ -149,7 +149,7 @@ if "time" in stages:
         ids, w = routing(T, top_k, E, masked=False)
         x = torch.randn(T, H, device=dev).bfloat16()
         out = torch.empty_like(x)
-        ws = mxmoe.Workspace(ex, T, top_k)
+        ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
         calls = {}
         for v in variants:
             flat = select(v)
@@ -158,7 +158,7 @@ if "time" in stages:
         calls["w4a16"] = lambda: (select({}), launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None,
                                                                    "w4a16", out, ws))
         if base is not None:
-            ws_b = base.Workspace(ex_base, T, top_k)
+            ws_b = base.Workspace(ex_base, T, top_k, fp8=True)
             calls["base w4a8"] = lambda: base.fused_moe(x, ex_base, w, ids, precision="w4a8", out=out, workspace=ws_b)
         for name, fn in calls.items():
             try:

@@ -17,9 +17,17 @@ pytestmark = pytest.mark.usefixtures("no_triton_interpret")
 
 
 def test_no_arguments_prints_help(capsys):
-    assert main([]) == 0
-    out = capsys.readouterr().out
-    assert "usage: mxmoe" in out and "check" in out and "bench" in out
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: mxmoe" in err and "check" in err and "bench" in err
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_an_unknown_device_names_the_accepted_ones(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--device", "tpu"])
+    assert e.value.code == 2
+    assert "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'" in capsys.readouterr().err
 
 
 def test_check_runs_every_case_on_cpu(capsys, tmp_path):

@@ -320,7 +320,7 @@ def test_programmatic_dependent_launch_changes_nothing(T, precision, monkeypatch
 
     E, H, I, top_k = SHAPES["ref"]
     ex = gpu_experts(E, H, I)
-    ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)
+    ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k, fp8=True)
     xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in range(3)]
     routes = [routing(T, top_k, E, kind="masked" if i == 1 else "uniform", seed=T + i) for i in range(3)]
     routes[2] = (torch.full_like(routes[2][0], -1), routes[2][1])  # all masked: no tile at all

@@ -136,7 +136,7 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, 
         emap = torch.tensor([0, -1, 1, 2, 3, -1, 4, 5, 6, -1], dtype=torch.int32)
     ids = torch.randint(-1, (E if emap is None else 10) + 1, (T, top_k), generator=g, dtype=torch.int32)
     ids[:36, 0] = 2  # hot expert: several tiles where T allows
-    ws = Workspace(ex, T, top_k)
+    ws = Workspace(ex, T, top_k, fp8=True)
     ws.sorted_routes.fill_(7)  # stale contents from an earlier call must not leak
     ws.counts.fill_(3)
     ws.expert_counts.fill_(3)

@@ -19,6 +19,7 @@ import triton
 from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
 from ..prepare import PreparedExperts, row_block_unit
 from ..routing import RoutePack, route_pack_capacity
+from ..selection import fp8_min_rows
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
 from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
@@ -330,12 +331,20 @@ class Workspace:
     """Device scratch for :func:`mxmoe.fused_moe`, sized once from (max tokens, top_k, E, H, I).
 
     Create it before CUDA-graph capture and pass it as ``workspace=``; calls with more
-    tokens or a larger top_k than it was sized for raise ``ValueError``.
+    tokens or a larger top_k than it was sized for raise ``ValueError``. ``fp8``: room for the W4A8 path (its
+    quantized rows); default where ``precision="auto"`` can take W4A8 (``MXMOE_FP8_PREFILL_MIN_ROWS`` > 0 now).
+    Pass ``fp8=True`` to call it with ``precision="w4a8"``.
     """
 
-    def __init__(self, experts: PreparedExperts, max_tokens: int, top_k: int, *, fp8: bool = True, device=None):
+    def __init__(self, experts: PreparedExperts, max_tokens: int, top_k: int, *, fp8: Optional[bool] = None,
+                 device=None):
         if max_tokens < 1 or top_k < 1:
             raise ValueError("max_tokens and top_k must be >= 1")
+        if fp8 is None:  # W4A8 scratch where ``auto`` can take W4A8 (the threshold set now)
+            fp8 = fp8_min_rows() > 0
+        from ..op import register_workspace
+
+        self.handle = register_workspace(self)  # what stands for it in the custom op's arguments
         device = torch.device(device) if device is not None else experts.device
         E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
         R = max_tokens * top_k
@@ -387,7 +396,7 @@ class Workspace:
         if top_k > self.top_k:
             wrong.append(f"it holds top_k {self.top_k}, this call has top_k {top_k}")
         if fp8 and not self.fp8:
-            wrong.append("this call runs W4A8 and it has no W4A8 scratch (created with fp8=False)")
+            wrong.append("this call runs W4A8 and it has no W4A8 scratch (create it with fp8=True)")
         return wrong
 
     def fits(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> bool:

@@ -1,0 +1,119 @@
+"""``torch.ops.mxmoe.fused_moe``: the layer as one PyTorch custom op, for ``torch.compile`` and serving engines.
+
+Schema (plain tensors, floats, strings)::
+
+    mxmoe::fused_moe(Tensor x, Tensor[] weights, Tensor?[] extras, Tensor topk_weights, Tensor topk_ids,
+                     Tensor? expert_map, Tensor(a!) out, str activation, float? swiglu_limit, float? swiglu_alpha,
+                     str precision, bool all_fold, int workspace) -> ()
+
+How the library's objects cross the boundary:
+
+* a :class:`~mxmoe.PreparedExperts` as its kernel tensors, ``weights`` = ``[w13, w13_scale, w2, w2_scale, w13_ref,
+  w2_ref, w13_fold, w2_fold]`` and ``extras`` = ``[b13, b2, w13_global_scale, w2_global_scale]`` (each may be None),
+  and its host flag ``all_fold`` (:func:`expert_tensors` gives all three);
+* a :class:`~mxmoe.Workspace` as an int handle (:func:`workspace_handle`; -1: none, the cached workspace). A
+  workspace is scratch: what the op writes there is never read by the caller, so it is not an argument PyTorch has to
+  track; the op writes ``out`` only (``mutates_args``).
+* ``precision`` as the caller gave it (``auto``, ``w4a16``, ``w4a8``): the op resolves it when it runs, so the
+  threshold and CUDA-graph capture are read at run time, also in a compiled graph.
+
+Registered with ``torch.library.Library`` (schema, one implementation for every device, ``register_fake``) rather
+than ``torch.library.custom_op``, whose Python wrapper costs far more host time per call (see ``SCHEMA``). The fake
+(meta) implementation writes nothing and returns nothing: ``out`` keeps its shape and dtype. Arguments are
+validated by :func:`mxmoe.fused_moe` before the op; the op itself checks what needs real tensors (``out`` overlapping
+``x``).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+from .prepare import PreparedExperts
+from .reference import activation_params, fused_moe_reference
+from .selection import select_precision
+
+_WORKSPACES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count()
+
+
+def register_workspace(workspace) -> int:
+    """A new handle for ``workspace`` (a Workspace takes one when it is created): valid while it lives."""
+    handle = next(_NEXT_HANDLE)
+    _WORKSPACES[handle] = workspace
+    return handle
+
+
+def workspace_handle(workspace) -> int:
+    """The int that stands for ``workspace`` (None: -1) in the op's schema (an attribute read: traceable)."""
+    return -1 if workspace is None else workspace.handle
+
+
+def expert_tensors(experts: PreparedExperts) -> tuple[list, list, bool]:
+    """``(weights, extras, all_fold)``: how ``experts`` crosses the op boundary."""
+    weights = [experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, experts.w13_ref, experts.w2_ref,
+               experts.w13_fold, experts.w2_fold]
+    extras = [experts.b13, experts.b2, experts.w13_global_scale, experts.w2_global_scale]
+    return weights, extras, experts.all_fold
+
+
+def _experts(weights: list, extras: list, all_fold: bool) -> PreparedExperts:
+    w13, w13_scale, w2, w2_scale, w13_ref, w2_ref, w13_fold, w2_fold = weights
+    none = torch.zeros(0, 2, dtype=torch.int64, device=w13.device)  # (the restore bytes: unprepare's, not the run's)
+    return PreparedExperts(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, w13_ref=w13_ref, w2_ref=w2_ref,
+                           w13_fold=w13_fold, w2_fold=w2_fold, b13=extras[0], b2=extras[1],
+                           w13_global_scale=extras[2], w2_global_scale=extras[3], source_layout="gate_up",
+                           source_scale_dtypes=(torch.uint8, torch.uint8), all_fold=all_fold,
+                           w13_scale_restore=none, w2_scale_restore=none)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+SCHEMA = ("fused_moe(Tensor x, Tensor[] weights, Tensor?[] extras, Tensor topk_weights, Tensor topk_ids, "
+          "Tensor? expert_map, Tensor(a!) out, str activation, float? swiglu_limit, float? swiglu_alpha, "
+          "str precision, bool all_fold, int workspace) -> ()")
+# torch.library.Library and register_fake, not torch.library.custom_op: the latter's Python wrapper cost 25-200 us per
+# call on the CPU of the development machine (a no-op with this schema: 200 us), the plain registration 3 us
+_LIB = torch.library.Library("mxmoe", "DEF")
+_LIB.define(SCHEMA)
+
+
+def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_map: Optional[torch.Tensor], out: torch.Tensor, activation: str, swiglu_limit: Optional[float],
+                 swiglu_alpha: Optional[float], precision: str, all_fold: bool, workspace: int) -> None:
+    """Run the layer into ``out`` (arguments validated by :func:`mxmoe.fused_moe`)."""
+    if out.numel() and _overlaps(out, x):
+        raise ValueError("out must not overlap x")
+    T, top_k = topk_ids.shape
+    ran = select_precision(T * top_k, precision=precision)
+    experts = _experts(weights, extras, all_fold)
+    ws = None
+    if workspace != -1:
+        ws = _WORKSPACES.get(workspace)
+        if ws is None:
+            raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
+    from .moe import kernel_backend
+
+    if kernel_backend(x.device) == "triton":
+        from ._details.launch import run_fused_moe
+
+        limit, alpha = activation_params(activation, swiglu_limit, swiglu_alpha)
+        run_fused_moe(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, ran, out, ws)
+    else:
+        out.copy_(fused_moe_reference(x, experts, topk_weights, topk_ids, activation=activation,
+                                      swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, expert_map=expert_map,
+                                      mode=ran))
+
+
+_LIB.impl("fused_moe", fused_moe_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mxmoe::fused_moe", lib=_LIB)
+def _fused_moe_fake(x, weights, extras, topk_weights, topk_ids, expert_map, out, activation, swiglu_limit,
+                    swiglu_alpha, precision, all_fold, workspace) -> None:
+    return None
