@@ -3,6 +3,7 @@
     python3 scripts/sanitize.py                 # every tool, PDL on and off: a table of error counts
     TOOLS=memcheck,racecheck python3 scripts/sanitize.py
     python3 scripts/sanitize.py run [--no-pdl]  # the workloads alone (what each sanitizer run executes)
+    python3 scripts/sanitize.py report DIR      # the table again from the logs of a run
 
 Each workload is one small ``fused_moe`` call chosen to land on one family (the kernels it launched are listed):
 the one-launch and the three-kernel route pack, the small-tile GEMMs (16- to 128-row tiles, W4A8's FP8 chains
@@ -114,7 +115,7 @@ def parse(log: str) -> dict:
             m = re.match(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)", text)
             if m:
                 summary = int(m.group(1) or m.group(2))
-            elif not text.startswith(_NOT_ERRORS) and ("Warning" not in text[:12]):
+            elif text.strip() and not text.startswith(_NOT_ERRORS) and ("Warning" not in text[:12]):
                 r = rows.setdefault(current, dict(errors=0, first="", kernels=""))
                 r["errors"] += 1
                 r["first"] = r["first"] or text
@@ -124,7 +125,6 @@ def parse(log: str) -> dict:
 def main() -> int:
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     me = [sys.executable, os.path.abspath(__file__), "run"]
-    t0 = time.time()
     warm = subprocess.run(me, capture_output=True, text=True, env=dict(os.environ))  # compile outside the sanitizer
     print(warm.stdout[-3000:] + warm.stderr[-3000:])
     results = {}
@@ -143,18 +143,22 @@ def main() -> int:
                 log, rc = (exc.stdout or b"").decode() + (exc.stderr or b"").decode() + "\n### TIMEOUT", -1
             with open(os.path.join(OUT, f"sanitize_{tag}.log"), "w") as f:
                 f.write(log)
-            parsed = parse(log)
-            parsed.update(rc=rc, seconds=round(time.time() - start, 1), complete=f"{MARK}end" in log)
-            results[tag] = parsed
-            print(f"{tag}: rc={rc} {parsed['seconds']} s, ERROR SUMMARY {parsed['summary']}, complete "
-                  f"{parsed['complete']}", flush=True)
+            results[tag] = dict(parse(log), rc=rc, seconds=round(time.time() - start, 1))
+            print(f"{tag}: rc={rc} {results[tag]['seconds']} s", flush=True)
+    return report(results)
+
+
+def report(results: dict) -> int:
+    """Print the table of ``results`` (``{tool_pdl: parse(log) + rc}``), write ``$OUT/sanitize.json``; 1 on any
+    error, timeout or incomplete run."""
+    for r in results.values():
+        r["complete"] = ("end", "") in r["rows"]
     rows = sorted({k for r in results.values() for k in r["rows"]} - {("(start)", ""), ("end", "")},
                   key=lambda k: (list(WORKLOADS).index(k[0]) if k[0] in WORKLOADS else 99, k[1]))
     with open(os.path.join(OUT, "sanitize.json"), "w") as f:
         json.dump({tag: dict(r, rows={f"{a} {b}": v for (a, b), v in r["rows"].items()}) for tag, r in
                    results.items()}, f, indent=1)
-    tags = list(results)
-    print(f"\nerrors per workload (PDL on / off), {time.time() - t0:.0f} s")
+    print("\nerrors displayed per workload, PDL on / off")
     print(f"{'workload':<30}" + "".join(f"{t:>14}" for t in TOOLS) + "  kernels")
     bad = 0
     for key in rows:
@@ -167,17 +171,29 @@ def main() -> int:
         kernels = next((r["rows"][key]["kernels"] for r in results.values() if r["rows"].get(key, {}).get("kernels")),
                        "")
         print(f"{key[0] + ' ' + key[1]:<30}" + "".join(f"{c:>14}" for c in cells) + f"  {kernels}")
-    for tag in tags:
-        r = results[tag]
+    for tag, r in results.items():
         outside = r["rows"].get(("(start)", ""), {}).get("errors", 0)
-        print(f"{tag}: sanitizer total {r['summary']}, outside the workloads {outside}, rc {r['rc']}, "
-              f"complete {r['complete']}" + (f", first: {next((v['first'] for v in r['rows'].values() if v['first']), '')[:160]}"
-                                             if r['summary'] else ""))
+        first = next((v["first"] for v in r["rows"].values() if v["first"]), "")
+        print(f"{tag}: the tool's total {r['summary']}, outside the workloads {outside}, rc {r.get('rc')}, "
+              f"complete {r['complete']}" + (f", first: {first[:160]}" if first else ""))
         bad += outside + (0 if r["complete"] else 1)
     return 1 if bad else 0
+
+
+def report_logs(directory: str) -> int:
+    """``report`` again from the logs a run left in ``directory`` (``sanitize_<tool>_<pdl>.log``)."""
+    results = {}
+    for tool in TOOLS:
+        for pdl in ("pdl", "nopdl"):
+            path = os.path.join(directory, f"sanitize_{tool}_{pdl}.log")
+            if os.path.exists(path):
+                results[f"{tool}_{pdl}"] = parse(open(path).read())
+    return report(results)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "run":
         sys.exit(run_workloads(pdl="--no-pdl" not in sys.argv[2:]))
+    if len(sys.argv) > 2 and sys.argv[1] == "report":
+        sys.exit(report_logs(sys.argv[2]))
     sys.exit(main())
