@@ -3,7 +3,7 @@
 Method
 ------
 * Inputs: expert weights drawn at random and quantized with :func:`mxmoe.quantize_mxfp4`
-  (:func:`mxmoe.check.make_experts`); per token count fresh random BF16 activations and a
+  (:func:`mxmoe.testing.make_experts`); per token count fresh random BF16 activations and a
   uniform softmax-top-k routing (no masked routes).
 * Each arm is warmed up, then (``T * top_k <= --graph-max-rows`` and the arm allows it)
   captured in a ``torch.cuda.CUDAGraph`` whose replays are timed; otherwise eager calls
@@ -46,7 +46,7 @@ from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 import torch
 
-from . import check as checks
+from . import check as checks, testing
 from ._details.launch import Workspace
 from .format import dequantize_mxfp4
 from .moe import fused_moe
@@ -892,7 +892,7 @@ def make_inputs(shape: Shape, T: int, device: torch.device, seed: int) -> Inputs
     """Fresh random activations and a uniform softmax-top-k routing for ``T`` tokens."""
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + T)
     x = torch.randn(T, shape.H, generator=gen, device=device).to(torch.bfloat16)
-    w, ids, _, _ = checks.make_routing("uniform", T, shape.E, shape.top_k, seed=seed + T, device=device)
+    w, ids, _, _ = testing.make_routing("uniform", T, shape.E, shape.top_k, seed=seed + T, device=device)
     return Inputs(T=T, x=x, topk_weights=w, topk_ids=ids, distinct_experts=int(torch.unique(ids).numel()))
 
 
@@ -933,7 +933,7 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
               + "".join(f"; {k}: {v}" for k, v in floors.items() if k.endswith("_error")), file=stream)
 
     progress("preparing weights")
-    experts, _ = checks.make_experts(shape.E, shape.H, shape.I, seed=cfg.seed, device=device, gen_device=device)
+    experts, _ = testing.make_experts(shape.E, shape.H, shape.I, seed=cfg.seed, device=device, gen_device=device)
     mem = experts.memory()
     record["experts_memory"] = mem
     wanted = set(cfg.arms) if cfg.arms else None

@@ -71,7 +71,6 @@ with float64) unless ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpr
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -82,11 +81,11 @@ from typing import NamedTuple, Optional, Sequence, TextIO
 
 import torch
 
-from .format import quantize_mxfp4
 from .moe import fused_moe, kernel_backend, validate_moe_args
-from .prepare import PreparedExperts, prepare_weights
+from .prepare import PreparedExperts
 from .reference import apply_activation, decode_expert, fused_moe_references, quantize_rows_fp8, relative_l2
 from .routing import local_expert_ids
+from .testing import make_experts, make_routing
 
 # --------------------------------------------------------------------------------------
 # Bounds (relative L2) and the metrics table
@@ -130,10 +129,6 @@ METRICS = {
 }
 CASE_KINDS = ("layer", "gemm")
 PRECISIONS = ("w4a16", "w4a8")
-ROUTINGS = ("uniform", "hot", "empty", "masked", "expert_map")
-SCALE_PATTERNS = ("normal", "zero_bytes", "wide_span", "mixed_span")
-WIDE_SPAN_BINADES = 30  # block scales of one row span this many binades in the wide_span pattern
-WIDE_SPAN_X_GAIN = 8  # binades of that span the activations compensate (FP8 E4M3 keeps them)
 # the GEMM-level cases' activation: swigluoai at alpha 0 with no clamp in reach gives gate * sigmoid(0) * (up + 1)
 # = gate / 2 exactly where the up rows are zero
 GEMM_LEVEL_LIMIT = 1e30
@@ -204,207 +199,6 @@ class Problem:
 
     def kwargs(self) -> dict:
         return dict(activation=self.activation, swiglu_limit=self.swiglu_limit, expert_map=self.expert_map)
-
-
-def random_mxfp4(E: int, N: int, K: int, std: float, gen: torch.Generator, device, chunk_elems: int = 1 << 27):
-    """Random normal weights ``[E, N, K]`` of standard deviation ``std``, quantized to E2M1-K32.
-
-    Quantizes a few experts at a time so large shapes stay within memory.
-    Returns ``(packed uint8 [E, N, K/2], scales uint8 [E, N, K/32])``.
-    """
-    packed = torch.empty(E, N, K // 2, dtype=torch.uint8, device=device)
-    scales = torch.empty(E, N, K // 32, dtype=torch.uint8, device=device)
-    step = max(1, chunk_elems // max(N * K, 1))
-    for e0 in range(0, E, step):
-        e1 = min(E, e0 + step)
-        w = torch.randn(e1 - e0, N, K, generator=gen, device=device) * std
-        packed[e0:e1], scales[e0:e1] = quantize_mxfp4(w)
-    return packed, scales
-
-
-def _zero_scale_bytes(scales: torch.Tensor, gen: torch.Generator) -> None:
-    """Byte 0 (2^-127) in ~12% of blocks, in the first three rows of expert 0 and all of the last expert."""
-    blocks = torch.rand(scales.shape, generator=gen, device=scales.device) < 0.12
-    scales[blocks] = 0
-    scales[0, :3] = 0
-    scales[-1] = 0
-
-
-def _spread(n: int, span: int, gen: torch.Generator, device) -> torch.Tensor:
-    """``n`` offsets covering ``[0, span]`` (both ends present when n >= 2), in random order."""
-    if n == 1:
-        return torch.zeros(1, dtype=torch.int16, device=device)
-    d = torch.linspace(0, span, n, device=device).round().to(torch.int16)
-    return d[torch.randperm(n, generator=gen, device=device)]
-
-
-def _wide_span_w13(scales: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Lower K-block ``k`` of every w13 row by ``d_k`` binades (``d`` spans 30); returns ``d``.
-
-    The pattern is shared by all rows so the activations can compensate part of it: block
-    ``k`` of ``x`` is multiplied by ``2**min(d_k, 8)``, so blocks 9-16 binades below a row's
-    largest scale still carry a visible share of the dot product (a kernel that clamps them
-    to 2^-11 of the row's largest scale, or drops them, fails ``a8~emu``).
-    """
-    d = _spread(scales.shape[-1], WIDE_SPAN_BINADES, gen, scales.device)
-    scales.copy_((scales.to(torch.int16) - d).clamp(1, 254).to(torch.uint8))
-    return d
-
-
-def _wide_span_rows(scales: torch.Tensor, gen: torch.Generator) -> None:
-    """Each row of w2 gets its own random block offsets spanning ~30 binades."""
-    nb = scales.shape[-1]
-    d = torch.randint(0, WIDE_SPAN_BINADES + 1, scales.shape, generator=gen, device=scales.device, dtype=torch.int16)
-    if nb >= 2:
-        d[..., 0] = 0
-        d[..., -1] = WIDE_SPAN_BINADES
-    scales.copy_((scales.to(torch.int16) - d).clamp(1, 254).to(torch.uint8))
-
-
-def make_experts(E: int, H: int, I: int, *, seed: int = 0, device="cpu", gen_device=None, scales: str = "normal",
-                 biases: bool = False, global_scales: bool = False, gain: float = 2.0, zero_up: bool = False):
-    """Random prepared experts on ``device``: ``(PreparedExperts, x_block_exponents or None)``.
-
-    w13 entries ~ N(0, (gain/sqrt(H))^2) so gate/up values have standard deviation about
-    ``gain`` for unit inputs (limits and clamps are exercised); w2 ~ N(0, 1/I).
-    ``scales``: ``"normal"`` (what quantization gives), ``"zero_bytes"``, ``"wide_span"``
-    or ``"mixed_span"`` (see :func:`_zero_scale_bytes`, :func:`_wide_span_w13`,
-    :func:`_wide_span_rows`). For ``wide_span`` the second value holds the per-K-block
-    exponents (int) to multiply the activations by.
-    ``zero_up``: every up row of w13 is E2M1 code 0 (their scale bytes stay as drawn), for the
-    GEMM-level checks (:func:`gemm_level`).
-    Random numbers are drawn on ``gen_device`` (default the CPU, so a seed gives the same
-    weights on every device; pass the GPU for large shapes).
-    """
-    if scales not in SCALE_PATTERNS:
-        raise ValueError(f"scales must be one of {SCALE_PATTERNS}, got {scales!r}")
-    device = torch.device(device)
-    gen_device = torch.device(gen_device if gen_device is not None else "cpu")
-    if gen_device.type == "cpu":
-        src, x_exp = _cpu_source(E, H, I, seed, scales, biases, global_scales, gain)
-    else:
-        src, x_exp = _source(E, H, I, seed, scales, biases, global_scales, gain, gen_device)
-    src = {k: v.to(device) for k, v in src.items()}
-    if zero_up:  # (a copy: the CPU source is cached)
-        src["w13"] = src["w13"].clone()
-        src["w13"][:, I:] = 0  # gate_up rows: the up half
-    return prepare_weights(w13_layout="gate_up", **src), None if x_exp is None else x_exp.to(device)
-
-
-def _source(E, H, I, seed, scales, biases, global_scales, gain, device):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return source_tensors(E, H, I, gen, scales, biases, global_scales, gain, device)
-
-
-def source_tensors(E, H, I, gen: torch.Generator, scales: str, biases: bool, global_scales: bool, gain: float, device):
-    """Random source tensors (:func:`prepare_weights`' keywords, ``gate_up``) drawn from ``gen`` on ``device``, and
-    the wide-span pattern's per-K-block exponents for x (None for the others); see :func:`make_experts`."""
-    w13, s13 = random_mxfp4(E, 2 * I, H, gain / math.sqrt(H), gen, device)
-    w2, s2 = random_mxfp4(E, H, I, 1.0 / math.sqrt(I), gen, device)
-    x_exp = None
-    if scales == "zero_bytes":
-        _zero_scale_bytes(s13, gen)
-        _zero_scale_bytes(s2, gen)
-    elif scales == "wide_span":
-        x_exp = _wide_span_w13(s13, gen).clamp(max=WIDE_SPAN_X_GAIN)
-        _wide_span_rows(s2, gen)
-    elif scales == "mixed_span":  # the odd experts' rows span ~30 binades (W4A8: their tiles take the exact path)
-        _wide_span_rows(s13[1::2], gen)
-        _wide_span_rows(s2[1::2], gen)
-    src = dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
-    if biases:
-        src["b13"] = 0.5 * torch.randn(E, 2 * I, generator=gen, device=device)
-        src["b2"] = 0.2 * torch.randn(E, H, generator=gen, device=device)
-    if global_scales:
-        src["w13_global_scale"] = 0.5 + 1.5 * torch.rand(E, generator=gen, device=device)
-        src["w2_global_scale"] = 0.5 + 1.5 * torch.rand(E, generator=gen, device=device)
-    return src, x_exp
-
-
-@functools.lru_cache(maxsize=4)
-def _cpu_source(E, H, I, seed, scales, biases, global_scales, gain):
-    """CPU source tensors, cached: most check cases share one set of weights."""
-    return _source(E, H, I, seed, scales, biases, global_scales, gain, torch.device("cpu"))
-
-
-def _topk_distinct(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    return torch.topk(scores, top_k, dim=-1).indices
-
-
-def make_routing(kind: str, T: int, E: int, top_k: int, *, seed: int = 0, device="cpu",
-                 ids_dtype: torch.dtype = torch.int32):
-    """Routing ``(topk_weights fp32 [T,k], topk_ids [T,k], expert_map or None, masked_rows)``.
-
-    ``kind``:
-
-    * ``uniform``: k distinct experts per token from random scores; the first tokens cover
-      every expert when ``T*k >= E``.
-    * ``hot``: experts 0 and 1 take almost every token, a few others share the rest, the
-      upper half of the experts is empty.
-    * ``empty``: only the last ``k+1`` experts are used (empty segments come first).
-    * ``masked``: uniform, then ~25% of routes get id -1 and ~10% an id past the experts
-      (for int64 ids values >= 2^32 whose low 32 bits are a valid id); tokens 0 and T//2 are
-      all masked (int32: the last token's first id is INT32_MIN). Masked routes keep a large
-      weight: they must contribute zero anyway.
-    * ``expert_map``: ids over ``2E`` global experts; ``expert_map`` sends even globals to
-      local ``g // 2`` and odd ones to -1; token 0 is all masked.
-
-    Weights are a softmax over the chosen scores (positive, summing to 1 per token).
-    """
-    if kind not in ROUTINGS:
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {kind!r}")
-    if not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(seed + 7919)
-    n_global = 2 * E if kind == "expert_map" else E
-    scores = torch.randn(T, n_global, generator=gen, device=device)
-    if kind == "hot":
-        eligible = min(E, max(top_k + 2, E // 2))
-        bias = torch.full((n_global,), -1e9, device=device)
-        bias[:eligible] = 0.0
-        bias[:2] = 8.0
-        scores = scores + bias
-    elif kind == "empty":
-        eligible = min(E, top_k + 1)
-        bias = torch.full((n_global,), -1e9, device=device)
-        bias[E - eligible:] = 0.0
-        scores = scores + bias
-    elif T * top_k >= n_global:
-        # cover every expert: token t's scores favour a slice of a random permutation
-        perm = torch.randperm(n_global, generator=gen, device=device)
-        for t in range(-(-n_global // top_k)):
-            chosen = perm[t * top_k:(t + 1) * top_k]
-            scores[t, chosen] += 1e6
-    ids = _topk_distinct(scores, top_k)
-    weights = torch.softmax(torch.gather(scores.clamp(min=-30.0, max=30.0), 1, ids), dim=-1).float()
-    ids = ids.to(torch.int64)
-    expert_map = None
-    masked = torch.zeros(T, top_k, dtype=torch.bool, device=device)
-    if kind == "masked":
-        r = torch.rand(T, top_k, generator=gen, device=device)
-        minus_one = r < 0.25
-        past = (r >= 0.25) & (r < 0.35)
-        if ids_dtype == torch.int64:
-            far = torch.where(torch.arange(top_k, device=device) % 2 == 0, (1 << 32) + ids % E, torch.full_like(ids, E))
-        else:
-            far = torch.where(torch.arange(top_k, device=device) % 2 == 0, torch.full_like(ids, 2**31 - 1), torch.full_like(ids, E))
-        ids = torch.where(minus_one, torch.full_like(ids, -1), torch.where(past, far, ids))
-        for t in {0, T // 2}:
-            if t < T:
-                ids[t] = torch.tensor([-1 if k % 2 == 0 else E + k for k in range(top_k)], device=device)
-        if ids_dtype == torch.int32:
-            ids[T - 1:, :1] = -(2**31)  # most negative int32
-        weights = torch.where(ids < 0, torch.full_like(weights, 10.0), weights)
-        masked = (ids < 0) | (ids >= E)
-    elif kind == "expert_map":
-        expert_map = torch.where(torch.arange(n_global, device=device) % 2 == 0,
-                                 torch.arange(n_global, device=device) // 2, torch.full((n_global,), -1, device=device))
-        expert_map = expert_map.to(torch.int32)
-        ids[0] = torch.arange(top_k, device=device) * 2 + 1  # odd globals: all masked
-        masked = expert_map.long()[ids] < 0
-    masked_rows = masked.all(dim=1).nonzero().squeeze(1)
-    return weights.contiguous(), ids.to(ids_dtype).contiguous(), expert_map, masked_rows
 
 
 _device_experts: dict = {}  # the last experts drawn on a device (Case.draw_on_device), shared by the next cases

@@ -37,7 +37,7 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 
-from . import check
+from . import check, testing
 from .moe import fused_moe
 from .prepare import prepare_weights
 from .reference import fused_moe_references, relative_l2
@@ -45,7 +45,7 @@ from .reference import fused_moe_references, relative_l2
 WEIGHT_BUDGET = 1 << 30  # E * 3 * H * I on a GPU
 MAC_BUDGET = 1 << 36  # T * top_k * 3 * H * I on a GPU
 BIG_ROWS = 1 << 17  # a few cases route more rows than this
-ROUTINGS = ("uniform", "one_expert", "half_empty", "hot")
+ROUTINGS = testing.FUZZ_ROUTINGS
 SCALES = ("normal", "zero_bytes", "wide_span", "mixed_span", "every_byte", "offset")
 PRECISIONS = ("w4a16", "w4a8")
 
@@ -186,89 +186,20 @@ def draw_case(seed: int, index: int, small: bool) -> FuzzCase:
 # --------------------------------------------------------------------------------------
 
 
-def _shift_bytes(scales: torch.Tensor, shift: int) -> None:
-    scales.copy_((scales.to(torch.int16) + shift).clamp(0, 252).to(torch.uint8))
-
-
-def _every_byte(packed: torch.Tensor, scales: torch.Tensor, gen: torch.Generator) -> None:
-    """Bytes 0..254 over ~1 % of the blocks (at least 255 of them where there are that many, all 255 values then).
-    A block given a byte above its own has its codes zeroed (its values would leave FP32's range); one given a byte
-    below keeps its codes (a smaller block)."""
-    flat_s = scales.view(-1)
-    blocks = packed.view(-1, 16)
-    n = flat_s.numel()
-    count = min(n, max(255, n // 100))
-    where = torch.randperm(n, generator=gen, device=scales.device)[:count]
-    new = (torch.arange(count, device=scales.device) % 255).to(torch.uint8)
-    raised = new > flat_s[where]
-    blocks[where[raised]] = 0
-    flat_s[where] = new
-
-
 def _experts(case: FuzzCase, device: torch.device, gen: torch.Generator):
-    pattern = case.scales if case.scales in check.SCALE_PATTERNS else "normal"
-    src, x_exp = check.source_tensors(case.E, case.H, case.I, gen, pattern, case.biases, case.global_scales, 2.0,
+    pattern = case.scales if case.scales in testing.SCALE_PATTERNS else "normal"
+    src, x_exp = testing.source_tensors(case.E, case.H, case.I, gen, pattern, case.biases, case.global_scales, 2.0,
                                       gen.device)
     if case.gemm_level:
         src["w13"][:, case.I:] = 0  # gate_up rows: the up half (check.gemm_level)
     if case.scales == "every_byte":
-        _every_byte(src["w13"], src["w13_scale"], gen)
-        _every_byte(src["w2"], src["w2_scale"], gen)
+        testing.every_byte_scales(src["w13"], src["w13_scale"], gen)
+        testing.every_byte_scales(src["w2"], src["w2_scale"], gen)
     elif case.scales == "offset":
-        _shift_bytes(src["w13_scale"], case.shift13)
-        _shift_bytes(src["w2_scale"], case.shift2)
+        testing.shift_scale_bytes(src["w13_scale"], case.shift13)
+        testing.shift_scale_bytes(src["w2_scale"], case.shift2)
     src = {k: v.to(device) for k, v in src.items()}
     return prepare_weights(w13_layout="gate_up", **src), x_exp
-
-
-_MASKED_INT32 = (-1, -(2**31), 2**31 - 1)
-
-
-def _routing(case: FuzzCase, gen: torch.Generator):
-    """``(topk_weights, topk_ids, expert_map, masked [T, top_k] bool)`` on the CPU."""
-    E, T, k = case.E, case.T, case.top_k
-    p = torch.ones(E)
-    if case.routing == "one_expert":
-        p = torch.zeros(E)
-        p[int(torch.randint(E, (1,), generator=gen))] = 1.0
-    elif case.routing == "half_empty" and E >= 2:
-        p[torch.randperm(E, generator=gen)[: E // 2]] = 0.0
-    elif case.routing == "hot":
-        hot = torch.randperm(E, generator=gen)[: min(E, 2)]
-        p[hot] = 10.0 * E
-    distinct = int((p > 0).sum()) >= k
-    local = torch.multinomial(p.expand(T, E), k, replacement=not distinct, generator=gen)
-    if case.duplicates:
-        rows = torch.rand(T, generator=gen) < 0.3
-        col = torch.randint(1, k, (T,), generator=gen)
-        local[rows, col[rows]] = local[rows, 0]
-    expert_map = None
-    ids = local
-    n_global = E + case.dropped
-    if case.dropped:
-        perm = torch.randperm(n_global, generator=gen)
-        expert_map = torch.full((n_global,), -1, dtype=torch.int32)
-        expert_map[perm[:E]] = torch.arange(E, dtype=torch.int32)
-        ids = perm[:E][local]
-    masked = torch.rand(T, k, generator=gen) < case.mask_fraction
-    if case.masked_tokens:
-        masked[torch.randperm(T, generator=gen)[: case.masked_tokens]] = True
-    # masked ids of every kind: -1, just past the globals, far past, extremes of the dtype, dropped globals
-    choices = [torch.full_like(ids, -1), torch.full_like(ids, n_global), ids + n_global]
-    if case.ids_dtype == "int32":
-        choices += [torch.full_like(ids, v) for v in _MASKED_INT32[1:]]
-    else:
-        choices += [ids + (1 << 32), torch.full_like(ids, -(1 << 40))]  # >= 2^32 with valid low bits
-    if case.dropped:
-        choices.append(perm[E:][torch.randint(case.dropped, ids.shape, generator=gen)])
-    pick = torch.randint(len(choices), ids.shape, generator=gen)
-    bad = torch.stack(choices)[pick, torch.arange(T)[:, None], torch.arange(k)[None, :]]
-    ids = torch.where(masked, bad, ids)
-    weights = torch.softmax(torch.randn(T, k, generator=gen), dim=-1)
-    odd = torch.tensor([10.0, math.inf, math.nan])[torch.randint(3, (T, k), generator=gen)]
-    weights = torch.where(masked, odd, weights)
-    dtype = torch.int32 if case.ids_dtype == "int32" else torch.int64
-    return weights.float().contiguous(), ids.to(dtype).contiguous(), expert_map, masked
 
 
 @dataclass
@@ -293,7 +224,9 @@ def build(case: FuzzCase, device: torch.device) -> Inputs:
         x = x * torch.exp2(x_exp.to(device).float()).repeat_interleave(32)
     if case.shift13:
         x = x * 2.0 ** -case.shift13
-    weights, ids, expert_map, masked = _routing(case, cpu_gen)
+    weights, ids, expert_map, masked = testing.compose_routing(
+        case.E, case.T, case.top_k, cpu_gen, routing=case.routing, mask_fraction=case.mask_fraction,
+        masked_tokens=case.masked_tokens, duplicates=case.duplicates, ids_dtype=case.ids_dtype, dropped=case.dropped)
     move = lambda t: None if t is None else t.to(device).contiguous()  # noqa: E731
     return Inputs(x=x.to(torch.bfloat16).contiguous(), experts=experts, topk_weights=move(weights), topk_ids=move(ids),
                   expert_map=move(expert_map), masked_rows=move(masked.all(dim=1).nonzero().squeeze(1)))

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from mxmoe import bench, check
+from mxmoe import bench, testing
 
 ap = argparse.ArgumentParser()
 ap.add_argument("arm", choices=bench.ARM_NAMES)
@@ -19,7 +19,7 @@ args = ap.parse_args()
 
 shape = bench.Shape(288, 4096, 1024, 8)
 device = torch.device("cuda")
-experts, _ = check.make_experts(shape.E, shape.H, shape.I, seed=0, device=device, gen_device=device)
+experts, _ = testing.make_experts(shape.E, shape.H, shape.I, seed=0, device=device, gen_device=device)
 arm = next(a for a in bench.all_arms() if a.name == args.arm)
 if arm.unavailable():
     raise SystemExit(arm.unavailable())

@@ -63,7 +63,7 @@ WORKLOADS = {
 def run_workloads(pdl: bool) -> int:
     import torch
 
-    from mxmoe import check, fused_moe
+    from mxmoe import fused_moe, testing
     from mxmoe._details import launch
 
     launch.PDL = pdl  # (until the config override of the restructure issue)
@@ -73,8 +73,8 @@ def run_workloads(pdl: bool) -> int:
     knobs.runtime.launch_enter_hook.add(lambda md: names.append(md.data["name"]))
     failed = 0
     for name, (what, E, H, I, T, top_k, precisions, scales) in WORKLOADS.items():
-        experts, _ = check.make_experts(E, H, I, seed=1, device="cuda", scales=scales, biases=True)
-        weights, ids, _, _ = check.make_routing("masked" if T > 4 else "uniform", T, E, top_k, seed=2, device="cuda")
+        experts, _ = testing.make_experts(E, H, I, seed=1, device="cuda", scales=scales, biases=True)
+        weights, ids, _, _ = testing.make_routing("masked" if T > 4 else "uniform", T, E, top_k, seed=2, device="cuda")
         x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
         for prec in precisions:
             print(f"{MARK}{name} {prec}", flush=True)

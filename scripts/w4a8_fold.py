@@ -20,7 +20,7 @@ import torch
 
 import mxmoe
 from _experts import kernel_times, per_gemm_overrides
-from mxmoe import check, reference
+from mxmoe import check, reference, testing
 from mxmoe._details import launch
 from mxmoe.bench import cuda_event_sampler, median
 from mxmoe.prepare import fold_report
@@ -46,7 +46,7 @@ def emit(r, short=None):
 
 def experts_for(E, H, I, seed=0, dist="normal"):
     if dist == "normal":
-        return check.make_experts(E, H, I, seed=seed, device=dev, gen_device=dev)[0]
+        return testing.make_experts(E, H, I, seed=seed, device=dev, gen_device=dev)[0]
     t3 = torch.distributions.StudentT(torch.tensor(3.0, device=dev))
 
     def quant(N, K, std):
@@ -86,7 +86,7 @@ if "acc" in stages:
     if CPU:
         shapes = (((8, 128, 64, 2), (3, 40)), ((4, 96, 160, 3), (5,)))
     for (E, H, I, top_k), Ts in shapes:
-        ex = check.make_experts(E, H, I, seed=0, device=dev, gen_device=dev, zero_up=True)[0]
+        ex = testing.make_experts(E, H, I, seed=0, device=dev, gen_device=dev, zero_up=True)[0]
         for T in Ts:
             ids, w = routing(T, top_k, E)
             x = torch.randn(T, H, device=dev).bfloat16()
@@ -112,7 +112,7 @@ if "layer" in stages:
         if dist == "t3":
             ex = experts_for(E, H, I, dist="t3")
         else:
-            ex, x_exp = check.make_experts(E, H, I, seed=5, device=dev, gen_device=dev, scales=scales)
+            ex, x_exp = testing.make_experts(E, H, I, seed=5, device=dev, gen_device=dev, scales=scales)
         ids, w = routing(T, top_k, E)
         x = torch.randn(T, H, device=dev)
         if x_exp is not None:
@@ -135,7 +135,7 @@ if "layer" in stages:
 
 if "time" in stages:
     E, H, I, top_k = 288, 4096, 1024, 8
-    ex = check.make_experts(E, H, I, seed=0, device=dev, gen_device=dev)[0]
+    ex = testing.make_experts(E, H, I, seed=0, device=dev, gen_device=dev)[0]
     base = None
     if "ab" in opts:  # another version, imported under a name of its own
         root = tempfile.mkdtemp()

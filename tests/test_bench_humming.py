@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe import bench, check
+from mxmoe import bench, testing
 from mxmoe.reference import quantize_rows_fp8
 
 SILU_MUL_IMPL = "a / (1.0f + expf(-a)) * b"
@@ -195,7 +195,7 @@ def fake_humming(monkeypatch):
 def test_humming_arm_glue_matches_reference(fake_humming, arm_cls, mode, tol, blocks):
     shape = bench.Shape(6, 64, 64, 3)  # 2I != H: the fake heuristics tell the GEMMs apart by N
     _FakeLayer.blocks = {2 * shape.I: blocks[0], shape.H: blocks[1]}
-    experts, _ = check.make_experts(shape.E, shape.H, shape.I, seed=2)
+    experts, _ = testing.make_experts(shape.E, shape.H, shape.I, seed=2)
     inp = bench.make_inputs(shape, 11, torch.device("cpu"), seed=4)
     arm = arm_cls()
     arm.prepare(experts, shape, 11)
@@ -380,7 +380,7 @@ def test_humming_arms_on_the_gpu(arm_cls, tol_w4a16, tol_w4a8):
         pytest.skip(arm.unavailable())
     shape = bench.Shape(8, 512, 256, 2)
     device = torch.device("cuda")
-    experts, _ = check.make_experts(shape.E, shape.H, shape.I, seed=1, device=device)
+    experts, _ = testing.make_experts(shape.E, shape.H, shape.I, seed=1, device=device)
     arm.prepare(experts, shape, 300)
     for T in (1, 37, 300):
         inp = bench.make_inputs(shape, T, device, seed=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe import check
+from mxmoe import check, testing
 from mxmoe.check import (REFERENCE_SHAPE, Case, CaseResult, excess_over_emulation, per_token_relative_l2,
                          w4a8_layer_failures, w4a8_layer_metrics, zero_where_ref_zero)
 
@@ -223,10 +223,10 @@ def test_zero_up_experts_make_swigluoai_at_alpha_0_half_the_gate():
     h = torch.cat([gate, torch.zeros_like(gate)], dim=1)
     y = apply_activation(h, "swigluoai", check.GEMM_LEVEL_LIMIT, check.GEMM_LEVEL_ALPHA)
     assert torch.equal(2 * y, gate)
-    experts, _ = check.make_experts(4, 64, 32, seed=1, zero_up=True)
+    experts, _ = testing.make_experts(4, 64, 32, seed=1, zero_up=True)
     w13, _ = mxmoe.reference.decode_expert(experts, 2)
     assert (w13[32:] == 0).all() and (w13[:32] != 0).any()
-    full, _ = check.make_experts(4, 64, 32, seed=1)
+    full, _ = testing.make_experts(4, 64, 32, seed=1)
     assert torch.equal(full.w2, experts.w2) and (mxmoe.reference.decode_expert(full, 2)[0][32:] != 0).any()
 
 
@@ -255,8 +255,8 @@ def test_gemm_level_on_the_emulation(monkeypatch):
 
 
 def test_gemm_level_refuses_biases():
-    experts, _ = check.make_experts(4, 64, 32, seed=1, zero_up=True, biases=True)
-    w, ids, _, _ = check.make_routing("uniform", 3, 4, 2)
+    experts, _ = testing.make_experts(4, 64, 32, seed=1, zero_up=True, biases=True)
+    w, ids, _, _ = testing.make_routing("uniform", 3, 4, 2)
     with pytest.raises(ValueError, match="biases"):
         check.gemm_level(torch.randn(3, 64).bfloat16(), experts, w, ids)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe import bench, check
+from mxmoe import bench, check, testing
 from mxmoe.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("no_triton_interpret")
@@ -264,7 +264,7 @@ def test_align_routes_for_indexed_peers():
 
 def test_torch_grouped_mm_peer_matches_reference_on_cpu():
     shape = bench.Shape(4, 64, 32, 2)
-    experts, _ = check.make_experts(shape.E, shape.H, shape.I, seed=3)
+    experts, _ = testing.make_experts(shape.E, shape.H, shape.I, seed=3)
     inp = bench.make_inputs(shape, 9, torch.device("cpu"), seed=1)
     arm = bench.TorchGroupedMMArm()
     if arm.unavailable():
@@ -279,20 +279,20 @@ def test_torch_grouped_mm_peer_matches_reference_on_cpu():
 
 
 def test_routing_generators():
-    w, ids, emap, masked = check.make_routing("masked", 20, 8, 4, ids_dtype=torch.int64)
+    w, ids, emap, masked = testing.make_routing("masked", 20, 8, 4, ids_dtype=torch.int64)
     assert ids.dtype == torch.int64 and bool((ids >= 2**32).any()) and bool((ids == -1).any())
     assert {0, 10} <= set(masked.tolist())
-    w, ids, emap, masked = check.make_routing("masked", 20, 8, 4, ids_dtype=torch.int32)
+    w, ids, emap, masked = testing.make_routing("masked", 20, 8, 4, ids_dtype=torch.int32)
     assert ids.dtype == torch.int32 and int(ids.min()) == -(2**31) and int(ids.max()) == 2**31 - 1
-    w, ids, emap, masked = check.make_routing("expert_map", 16, 8, 2)
+    w, ids, emap, masked = testing.make_routing("expert_map", 16, 8, 2)
     assert emap.shape == (16,) and 0 in masked.tolist()
     assert bool((emap.long()[ids.long()[masked]] < 0).all())
-    w, ids, _, _ = check.make_routing("hot", 64, 8, 2)
+    w, ids, _, _ = testing.make_routing("hot", 64, 8, 2)
     counts = torch.bincount(ids.long().flatten(), minlength=8)
     assert counts[:2].sum() > 0.9 * 64 * 2 * 0.9 and counts[4:].sum() == 0
-    w, ids, _, _ = check.make_routing("empty", 32, 8, 2)
+    w, ids, _, _ = testing.make_routing("empty", 32, 8, 2)
     assert set(ids.flatten().tolist()) <= {5, 6, 7}
-    w, ids, _, _ = check.make_routing("uniform", 8, 8, 2)
+    w, ids, _, _ = testing.make_routing("uniform", 8, 8, 2)
     assert set(ids.flatten().tolist()) == set(range(8))  # every expert covered
     assert torch.allclose(w.sum(1), torch.ones(8)) and bool((ids.sort(1).values.diff(dim=1) != 0).all())
 

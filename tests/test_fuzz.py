@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from mxmoe import fuzz
+from mxmoe import fuzz, testing
 from mxmoe.cli import main
 
 
@@ -48,10 +48,9 @@ def test_full_size_draws_cover_every_category_within_the_budgets():
 
 
 def test_routing_draws_every_masked_kind():
-    base = dict(seed=0, index=0, E=6, H=64, I=64, top_k=4, T=400, mask_fraction=0.4, masked_tokens=3,
-                duplicates=True)
+    base = dict(mask_fraction=0.4, masked_tokens=3, duplicates=True)
     g = lambda: torch.Generator().manual_seed(1)  # noqa: E731
-    w, ids, emap, masked = fuzz._routing(fuzz.FuzzCase(**base, ids_dtype="int64", dropped=3), g())
+    w, ids, emap, masked = testing.compose_routing(6, 400, 4, g(), **base, ids_dtype="int64", dropped=3)
     assert ids.dtype == torch.int64 and emap.numel() == 9 and int((emap < 0).sum()) == 3
     valid = (ids >= 0) & (ids < 9)
     mapped = torch.where(valid, emap.long()[ids.clamp(0, 8)], torch.full_like(ids, -1))
@@ -60,12 +59,11 @@ def test_routing_draws_every_masked_kind():
     assert ((ids >= 0) & (ids < 9) & masked).any()  # dropped globals
     assert int(masked.all(1).sum()) >= 3
     assert torch.isnan(w[masked]).any() and torch.isinf(w[masked]).any() and torch.isfinite(w[~masked]).all()
-    w, ids, emap, masked = fuzz._routing(fuzz.FuzzCase(**base, ids_dtype="int32"), g())
+    w, ids, emap, masked = testing.compose_routing(6, 400, 4, g(), **base, ids_dtype="int32")
     assert emap is None and set(ids[masked].tolist()) >= {-1, -(2**31), 2**31 - 1}
     rows = [set(r) for r in ids.tolist()]
     assert any(len(r) < 4 for r, m in zip(rows, masked.tolist()) if not any(m))  # duplicates within a token
-    one = fuzz._routing(fuzz.FuzzCase(**{**base, "mask_fraction": 0.0, "masked_tokens": 0}, routing="one_expert"),
-                        g())[1]
+    one = testing.compose_routing(6, 400, 4, g(), routing="one_expert")[1]
     assert one.unique().numel() == 1
 
 

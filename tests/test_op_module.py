@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe import check
+from mxmoe import testing
 from mxmoe.op import expert_tensors, workspace_handle
 
 from test_format import gpt_oss_state_dict
@@ -19,8 +19,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _problem(device="cpu", E=4, H=64, I=64, T=7, top_k=2, biases=True):
-    experts, _ = check.make_experts(E, H, I, seed=3, device=device, biases=biases, global_scales=biases)
-    w, ids, _, _ = check.make_routing("masked", T, E, top_k, seed=4, device=device)
+    experts, _ = testing.make_experts(E, H, I, seed=3, device=device, biases=biases, global_scales=biases)
+    w, ids, _, _ = testing.make_routing("masked", T, E, top_k, seed=4, device=device)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
     return experts, x, w, ids
 
@@ -99,7 +99,7 @@ def test_state_dict_round_trip_is_bitwise(no_triton_interpret):
             assert torch.equal(t, back.state_dict()[name]), name
     assert torch.equal(_bits(m(x, w, ids)), _bits(back(x, w, ids)))
     # into an existing module of other weights (restore lists of other lengths, biases present or not)
-    other, _ = check.make_experts(4, 64, 64, seed=9, biases=False)
+    other, _ = testing.make_experts(4, 64, 64, seed=9, biases=False)
     target = mxmoe.MoEExperts(other)
     target.load_state_dict(state)
     assert torch.equal(_bits(target(x, w, ids)), _bits(m(x, w, ids)))
