@@ -370,7 +370,7 @@ def test_humming_api_takes_what_the_arms_pass():
     assert schema.input_quant_mode == InputQuantizationMode.DynamicToken
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Humming's kernels need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("arm_cls,tol_w4a16,tol_w4a8", [(bench.HummingArm, 0.02, None),
                                                         (bench.HummingW4A8Arm, 0.08, 0.03)])
 def test_humming_arms_on_the_gpu(arm_cls, tol_w4a16, tol_w4a8):

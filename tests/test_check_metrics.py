@@ -262,6 +262,7 @@ def test_gemm_level_refuses_biases():
 
 
 @interpret
+@pytest.mark.slow
 def test_gemm_level_runs_the_kernels_in_the_interpreter(monkeypatch):
     """The plain-Triton kernels (FP32 dots in the interpreter) through ``launch.gemm1_rows`` and a W4A8 call with an
     FP32 ``routed_out``: far inside 1.5e-3, every check true. Taking the workspace's codes in their stored slot order
@@ -291,6 +292,7 @@ def test_gemm_level_runs_the_kernels_in_the_interpreter(monkeypatch):
 
 
 @interpret
+@pytest.mark.slow
 def test_check_command_gemm_case_in_the_interpreter(capsys):
     cases = [Case("gemm_tiny", "tiny GEMM-level", 4, 64, 96, 2, T=6, routing="masked", zero_x_row=True, kind="gemm"),
              Case("layer_tiny", "tiny layer", 4, 64, 96, 2, T=6, routing="masked")]

@@ -30,6 +30,7 @@ def test_an_unknown_device_names_the_accepted_ones(capsys, command):
     assert "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_check_runs_every_case_on_cpu(capsys, tmp_path):
     path = tmp_path / "check.json"
     assert main(["check", "--json", str(path)]) == 0

@@ -26,6 +26,7 @@ def reports():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # (the module's compile of every config: ~40 s)
 def test_every_config_compiled(reports):
     assert len(reports) == 42
     assert sum(r["kernel"] == "gluon" for r in reports) == 2
@@ -47,6 +48,7 @@ def test_every_config_compiled(reports):
     assert {r["config"]["pair"] for r in small} == {True, False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(42))
 def test_gemm_uses_wgmma_without_spills(reports, index):
     r = reports[index]

@@ -14,6 +14,8 @@ import traceback
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # (a process group per world size: ~20 s)
+
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
@@ -249,6 +251,9 @@ def _scenarios(rank, world, res):
 
 
 def _worker(rank, world, init_file, out_dir):
+    # the PyTorch emulation, as the module docstring says (the parent's TRITON_INTERPRET=1 would run the kernels in the
+    # interpreter here, 270 s for both worlds: the kernels are tested elsewhere, these tests are about the sharding)
+    os.environ["TRITON_INTERPRET"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

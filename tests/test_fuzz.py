@@ -118,6 +118,7 @@ def test_fuzz_arguments(capsys):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels in Triton's interpreter")
+@pytest.mark.slow
 def test_fuzz_cases_through_the_interpreted_kernels(capsys):
     """A few small cases through the Triton kernels (their plain forms), both precisions, each a different mix."""
     assert main(["check", "--fuzz", "3", "--seed", "7"]) == 0

@@ -19,7 +19,7 @@ from mxmoe.check import (REFERENCE_SHAPE, describe_w4a8, gemm_level, w4a8_layer_
 
 from conftest import top_scale_pair
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 SHAPES = {
     "ref": REFERENCE_SHAPE,

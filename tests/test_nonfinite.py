@@ -16,9 +16,9 @@ import torch
 import mxmoe
 from mxmoe import fused_moe, fused_moe_reference, relative_l2
 
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                                        reason="the CPU runs the kernels only with TRITON_INTERPRET=1")),
-           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = [pytest.param("cpu", marks=[pytest.mark.slow, pytest.mark.skipif(
+               os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU runs the kernels only with TRITON_INTERPRET=1")]),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 PRECISIONS = ("w4a16", "w4a8")
 BAD = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 

@@ -15,7 +15,7 @@ from mxmoe.op import expert_tensors, workspace_handle
 
 from test_format import gpt_oss_state_dict
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 def _problem(device="cpu", E=4, H=64, I=64, T=7, top_k=2, biases=True):
