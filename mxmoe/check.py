@@ -85,6 +85,7 @@ from .moe import fused_moe, kernel_backend, validate_moe_args
 from .prepare import PreparedExperts
 from .reference import apply_activation, decode_expert, fused_moe_references, quantize_rows_fp8, relative_l2
 from .routing import local_expert_ids
+from .selection import PATHS
 from .testing import make_experts, make_routing
 
 # --------------------------------------------------------------------------------------
@@ -128,7 +129,6 @@ METRICS = {
     "w4a8_gemm2_worst_route": Metric("gemm2 route", None, "the same for GEMM2", kind="gemm"),
 }
 CASE_KINDS = ("layer", "gemm")
-PRECISIONS = ("w4a16", "w4a8")
 # the GEMM-level cases' activation: swigluoai at alpha 0 with no clamp in reach gives gate * sigmoid(0) * (up + 1)
 # = gate / 2 exactly where the up rows are zero
 GEMM_LEVEL_LIMIT = 1e30
@@ -662,7 +662,7 @@ def run_case(case: Case, device="cpu", seed: int = 0) -> CaseResult:
 def _run_layer_case(res: CaseResult, p: Problem, device: torch.device) -> None:
     args = (p.x, p.experts, p.topk_weights, p.topk_ids)
     outs = {}
-    for prec in PRECISIONS:
+    for prec in PATHS:
         out = torch.full_like(p.x, float("nan"))
         got, ran = fused_moe(*args, **p.kwargs(), precision=prec, out=out, return_precision=True)
         again = fused_moe(*args, **p.kwargs(), precision=prec)

@@ -11,6 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import bench, check, fuzz
+from .selection import PATHS
 
 
 def _arg_type(fn, what: str):
@@ -83,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "per category")
     c.add_argument("--start", type=_arg_type(_non_negative, "index"), default=0, metavar="I",
                    help="with --fuzz: the first case's index (default 0); case I of a seed is the same in any run")
-    c.add_argument("--precision", type=_arg_type(_choices(fuzz.PRECISIONS, "precision"), "precision list"),
-                   default=fuzz.PRECISIONS, metavar="P,...", help="with --fuzz: w4a16, w4a8 or both (default)")
+    c.add_argument("--precision", type=_arg_type(_choices(PATHS, "precision"), "precision list"),
+                   default=PATHS, metavar="P,...", help="with --fuzz: w4a16, w4a8 or both (default)")
 
     b = sub.add_parser(
         "bench", help="time both paths and the peers against measured floors",
@@ -125,7 +126,7 @@ def _cmd_check(args, parser) -> int:
             parser.error("--fuzz runs random cases: it takes neither --cases nor --list")
         return fuzz.run_fuzz(args.fuzz, device, seed=args.seed, start=args.start, precisions=args.precision,
                              small=small, json_path=args.json_path)
-    if args.start or args.precision != fuzz.PRECISIONS:
+    if args.start or args.precision != PATHS:
         parser.error("--start and --precision go with --fuzz")
     cases = check.default_cases(small)
     if args.list:

@@ -41,13 +41,13 @@ from . import check, testing
 from .moe import fused_moe
 from .prepare import prepare_weights
 from .reference import fused_moe_references, relative_l2
+from .selection import PATHS
 
 WEIGHT_BUDGET = 1 << 30  # E * 3 * H * I on a GPU
 MAC_BUDGET = 1 << 36  # T * top_k * 3 * H * I on a GPU
 BIG_ROWS = 1 << 17  # a few cases route more rows than this
 ROUTINGS = testing.FUZZ_ROUTINGS
 SCALES = ("normal", "zero_bytes", "wide_span", "mixed_span", "every_byte", "offset")
-PRECISIONS = ("w4a16", "w4a8")
 
 # metric -> (bound, what); relative L2, excesses in the same unit (0.005 = 0.5 percentage points)
 BOUNDS = {
@@ -102,7 +102,7 @@ class FuzzCase:
 
     def reproduce(self, device: torch.device, precisions: Sequence[str]) -> str:
         env = "TRITON_INTERPRET=1 " if device.type == "cpu" and _interpreting() else ""
-        prec = "" if tuple(precisions) == PRECISIONS else f" --precision {','.join(precisions)}"
+        prec = "" if tuple(precisions) == PATHS else f" --precision {','.join(precisions)}"
         return f"{env}mxmoe check --fuzz 1 --start {self.index} --seed {self.seed} --device {device.type}{prec}"
 
     def summary(self) -> str:
@@ -524,7 +524,7 @@ def print_summary(summary: dict, stream: TextIO) -> None:
 
 
 def run_fuzz(count: int, device: torch.device, *, seed: int = 0, start: int = 0,
-             precisions: Sequence[str] = PRECISIONS, small: Optional[bool] = None, stream: Optional[TextIO] = None,
+             precisions: Sequence[str] = PATHS, small: Optional[bool] = None, stream: Optional[TextIO] = None,
              json_path: Optional[str] = None) -> int:
     """Run cases ``start .. start + count - 1`` of ``seed``; print each failure with its reproduction, then the
     counts and the worst error per category. Returns 0 when every case passed, else 1."""

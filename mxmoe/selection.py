@@ -7,7 +7,8 @@ import re
 import torch
 
 ENV_MIN_ROWS = "MXMOE_FP8_PREFILL_MIN_ROWS"
-PRECISIONS = ("auto", "w4a16", "w4a8")
+PATHS = ("w4a16", "w4a8")  # the two paths a call can take
+PRECISIONS = ("auto",) + PATHS  # what a caller may ask for
 
 
 def fp8_min_rows() -> int:

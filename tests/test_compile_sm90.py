@@ -27,31 +27,35 @@ def reports():
 
 
 @pytest.mark.slow  # (the module's compile of every config: ~40 s)
-def test_every_config_compiled(reports):
-    assert len(reports) == 42
-    assert sum(r["kernel"] == "gluon" for r in reports) == 2
+def test_every_kind_of_config_is_compiled(reports):
+    """The configs ``gemm_config`` picks over the token counts cover every kernel family and knob (properties, not a
+    count: a new config adds to them)."""
+    assert {r["kernel"] for r in reports} == {"gluon", "gluon_small", "triton"}  # (the plain template too: its fallback)
     small = [r for r in reports if r["kernel"] == "gluon_small"]
-    assert len(small) == 32
     # the one-token path without a route pack (both GEMMs, and GEMM1 with its K steps over two programs)
-    assert sum(r["direct"] for r in small) == 3
     assert {r["config"]["k_parts"] for r in small if r["direct"]} == {1, 2}
-    assert {r["config"]["block_rows"] for r in small} == {16, 64, 128, 256}
-    # the wide tiles (prefill): GEMM1 and the persistent GEMM2 on two warpgroups, GEMM2 also on their halves, and the
-    # wide GEMM2 on 4 K steps per tile and with 64-bit output offsets without PDL
-    assert [(r["gemm1"], r["config"]["wide"], r["config"]["sub_tiles"]) for r in small if r["rows"] == 65536
-            and not r["fp8"]] == [(True, True, 1), (False, True, 1), (False, False, 2), (False, True, 1),
-                                  (False, True, 1)]
+    assert {r["gemm1"] for r in small if r["direct"]} == {True, False}
+    assert {r["config"]["block_rows"] for r in small} >= {16, 64, 128, 256}
+    # the wide tiles (prefill): GEMM1 and the persistent GEMM2 on two warpgroups, GEMM2 also on their halves
+    wide = {(r["gemm1"], r["config"]["wide"], r["config"]["sub_tiles"]) for r in small
+            if r["config"]["block_rows"] == 256 or r["config"]["sub_tiles"] == 2}
+    assert wide >= {(True, True, 1), (False, True, 1), (False, False, 2)}
     assert {r["config"]["scale_words"] for r in small} == {True, False}
     # W4A16 with scale words on one K32 block per step (per-block factors) and on two or four (paired factors)
-    assert {r["config"]["block_k"] for r in small if not r["fp8"] and r["config"]["scale_words"]} == {32, 64, 128}
+    assert {r["config"]["block_k"] for r in small if not r["fp8"] and r["config"]["scale_words"]} >= {32, 64, 128}
     assert {r["config"]["k_split"] for r in small} == {1, 2}
     assert {r["config"]["pair"] for r in small} == {True, False}
+    assert {r["fp8"] for r in small} == {True, False}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(42))
-def test_gemm_uses_wgmma_without_spills(reports, index):
-    r = reports[index]
+def test_every_config_uses_wgmma_without_spills(reports):
+    assert reports
+    for r in reports:
+        _uses_wgmma_without_spills(r)
+
+
+def _uses_wgmma_without_spills(r):
     expected = "QGMMA" if r["fp8"] else "HGMMA"
     assert r["mma_ops"] and all(op.startswith(expected) for op in r["mma_ops"]), r
     if r["fp8"]:

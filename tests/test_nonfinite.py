@@ -19,7 +19,7 @@ from mxmoe import fused_moe, fused_moe_reference, relative_l2
 DEVICES = [pytest.param("cpu", marks=[pytest.mark.slow, pytest.mark.skipif(
                os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU runs the kernels only with TRITON_INTERPRET=1")]),
            pytest.param("cuda", marks=pytest.mark.gpu)]
-PRECISIONS = ("w4a16", "w4a8")
+PRECISIONS = mxmoe.selection.PATHS
 BAD = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
