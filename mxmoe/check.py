@@ -659,6 +659,19 @@ def run_case(case: Case, device="cpu", seed: int = 0) -> CaseResult:
     return res
 
 
+def call_checks(out: torch.Tensor, got: torch.Tensor, ran: str, precision: str, masked_rows: torch.Tensor,
+                tag: str) -> dict:
+    """The checks of one ``fused_moe`` call into a NaN-filled ``out``, keyed ``"{tag}:name"``: the path asked for ran,
+    ``out`` was returned, every element written and finite, tokens with every route masked zero."""
+    checks = {f"{tag}:path": ran == precision,
+              f"{tag}:returns_out": got is out or (got.data_ptr() == out.data_ptr() and got.shape == out.shape),
+              f"{tag}:written": not bool(torch.isnan(out).any()),
+              f"{tag}:finite": bool(torch.isfinite(out).all())}
+    if masked_rows.numel():
+        checks[f"{tag}:masked_rows_zero"] = bool((out[masked_rows] == 0).all())
+    return checks
+
+
 def _run_layer_case(res: CaseResult, p: Problem, device: torch.device) -> None:
     args = (p.x, p.experts, p.topk_weights, p.topk_ids)
     outs = {}
@@ -668,13 +681,8 @@ def _run_layer_case(res: CaseResult, p: Problem, device: torch.device) -> None:
         again = fused_moe(*args, **p.kwargs(), precision=prec)
         _sync(device)
         tag = "a8" if prec == "w4a8" else "a16"
-        res.checks[f"{tag}:path"] = ran == prec
-        res.checks[f"{tag}:returns_out"] = got is out or (got.data_ptr() == out.data_ptr() and got.shape == out.shape)
-        res.checks[f"{tag}:written"] = not bool(torch.isnan(out).any())
-        res.checks[f"{tag}:finite"] = bool(torch.isfinite(out).all())
+        res.checks.update(call_checks(out, got, ran, prec, p.masked_rows, tag))
         res.checks[f"{tag}:deterministic"] = _bitwise_equal(out, again)
-        if p.masked_rows.numel():
-            res.checks[f"{tag}:masked_rows_zero"] = bool((out[p.masked_rows] == 0).all())
         outs[prec] = out
     refs = fused_moe_references(*args, **p.kwargs())
     _sync(device)

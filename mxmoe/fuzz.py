@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -38,6 +37,7 @@ from typing import Optional, Sequence, TextIO
 import torch
 
 from . import check, testing
+from ._details import interpreting
 from .moe import fused_moe
 from .prepare import prepare_weights
 from .reference import fused_moe_references, relative_l2
@@ -101,7 +101,7 @@ class FuzzCase:
     gemm_level: bool = False  # W4A8 as GEMM-level (zero up rows, swigluoai alpha 0)
 
     def reproduce(self, device: torch.device, precisions: Sequence[str]) -> str:
-        env = "TRITON_INTERPRET=1 " if device.type == "cpu" and _interpreting() else ""
+        env = "TRITON_INTERPRET=1 " if device.type == "cpu" and interpreting() else ""
         prec = "" if tuple(precisions) == PATHS else f" --precision {','.join(precisions)}"
         return f"{env}mxmoe check --fuzz 1 --start {self.index} --seed {self.seed} --device {device.type}{prec}"
 
@@ -120,10 +120,6 @@ class FuzzCase:
         mods += [f"poison:{self.poison}"] if self.poison else []
         mods += ["gemm-level"] if self.gemm_level else []
         return f"E={self.E} H={self.H} I={self.I} top_k={self.top_k} T={self.T} " + " ".join(mods)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
@@ -302,15 +298,9 @@ def _layer(res: FuzzResult, inp: Inputs, refs: dict, workspace, device) -> torch
     case, prec = res.case, res.precision
     got, ran, out = _call(inp, case, prec, workspace)
     check._sync(device)
-    tag = prec
-    res.checks[f"{tag}:path"] = ran == prec
-    res.checks[f"{tag}:returns_out"] = got.data_ptr() == out.data_ptr()
-    res.checks[f"{tag}:written"] = not bool(torch.isnan(out).any())
-    res.checks[f"{tag}:finite"] = bool(torch.isfinite(out).all())
-    if inp.masked_rows.numel():
-        res.checks[f"{tag}:masked_rows_zero"] = bool((out[inp.masked_rows] == 0).all())
-    res.checks[f"{tag}:zero_where_exact_zero"] = check.zero_where_ref_zero(out, refs["exact"])
+    res.checks.update(check.call_checks(out, got, ran, prec, inp.masked_rows, prec))
     if prec == "w4a16":
+        res.checks["w4a16:zero_where_exact_zero"] = check.zero_where_ref_zero(out, refs["exact"])
         res.metrics["w4a16_vs_emulation"] = relative_l2(out, refs["w4a16"])
         res.metrics["w4a16_vs_exact"] = relative_l2(out, refs["exact"])
         res.metrics["w4a16_excess_over_emulation"] = res.metrics["w4a16_vs_exact"] - relative_l2(refs["w4a16"],
@@ -318,7 +308,7 @@ def _layer(res: FuzzResult, inp: Inputs, refs: dict, workspace, device) -> torch
         res.metrics["w4a16_worst_token"] = check.worst_token_relative_l2(out, refs["w4a16"])
     else:
         m = check.w4a8_layer_metrics(out, refs["w4a8"], refs["exact"])
-        m.pop("zero_where_exact_zero")
+        res.checks["w4a8:zero_where_exact_zero"] = m.pop("zero_where_exact_zero")
         res.metrics["worst_token"] = m.pop("worst_token")
         res.metrics.update(m)
     return out
@@ -399,7 +389,7 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
     Returns ``{"ok", "code_dev", "gemm2_token"}``: the largest code deviation in units of the allowed one (<= 1
     passes) and the largest per-token relative L2 of the output against float64 GEMM2 of the kernel's codes."""
     from ._details.launch import Workspace
-    from .reference import activation_params, decode_expert, quantize_rows_fp8
+    from .reference import apply_activation, decode_expert, quantize_rows_fp8
     from .routing import local_expert_ids
 
     ex = inp.experts
@@ -412,7 +402,6 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
     local = local_expert_ids(inp.topk_ids, ex.num_experts, inp.expert_map).reshape(-1).long()
     slot = ws.route_slot[: case.T * k].long()
     q, s = quantize_rows_fp8(inp.x)
-    limit, alpha = activation_params(case.activation, case.swiglu_limit, None)
     code_dev, gemm2 = 0.0, 0.0
     for t in tokens:
         y = torch.zeros(case.H, dtype=torch.float64, device=out.device)
@@ -426,9 +415,7 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
             h = (q[t].float().double() * s[t].double()) @ w13.double().T
             if ex.b13 is not None:
                 h = h + ex.b13[e].double()
-            half = case.I
-            g, u = h[:half].clamp(max=limit), h[half:].clamp(min=-limit, max=limit)
-            a = g * torch.sigmoid(alpha * g) * (u + 1.0) if case.activation == "swigluoai" else g * torch.sigmoid(g) * u
+            a = apply_activation(h, case.activation, case.swiglu_limit).double()
             codes = check.from_slot_order(ws.inter_q.view(torch.uint8)[slot[r]][None].contiguous())
             codes = codes.view(torch.float8_e4m3fn)[0].float().double()
             scale = ws.inter_scale[slot[r]].double()

@@ -25,6 +25,12 @@ _OPTIONAL = ("b13", "b2", "w13_global_scale", "w2_global_scale")
 _SCALE_DTYPES = {str(d): d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))}
 
 
+def _check_state_version(extra: dict) -> None:
+    if extra.get("layout_version") != LAYOUT_VERSION:
+        raise ValueError(f"the state holds experts of layout version {extra.get('layout_version')}, this mxmoe "
+                         f"reads {LAYOUT_VERSION}: prepare the source weights again")
+
+
 class MoEExperts(torch.nn.Module):
     """Prepared experts plus the layer's activation: ``forward(x, topk_weights, topk_ids)`` is the MoE layer's
     expert part (routing stays with the caller). ``max_tokens`` / ``top_k``: the workspace's plan (default: grown
@@ -65,9 +71,7 @@ class MoEExperts(torch.nn.Module):
     def from_state_dict(cls, state: dict, prefix: str = "", **kwargs) -> "MoEExperts":
         """A module from a :meth:`state_dict` (no preparation: the prepared tensors are taken as they are)."""
         extra = state[prefix + "_extra_state"]
-        if extra.get("layout_version") != LAYOUT_VERSION:
-            raise ValueError(f"the state holds experts of layout version {extra.get('layout_version')}, this mxmoe "
-                             f"reads {LAYOUT_VERSION}: prepare the source weights again")
+        _check_state_version(extra)
         tensors = {name: state.get(prefix + name) for name in _TENSORS}
         fold = bool(tensors["w13_fold"].all()) and bool(tensors["w2_fold"].all())
         experts = PreparedExperts(**tensors, source_layout=extra["source_layout"], all_fold=fold,
@@ -83,9 +87,7 @@ class MoEExperts(torch.nn.Module):
                     swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
 
     def set_extra_state(self, state: dict) -> None:
-        if state.get("layout_version") != LAYOUT_VERSION:
-            raise ValueError(f"the state holds experts of layout version {state.get('layout_version')}, this mxmoe "
-                             f"reads {LAYOUT_VERSION}: prepare the source weights again")
+        _check_state_version(state)
         self.source_layout = state["source_layout"]
         self.source_scale_dtypes = tuple(_SCALE_DTYPES[d] for d in state["source_scale_dtypes"])
         self.activation, self.swiglu_limit, self.swiglu_alpha = (state["activation"], state["swiglu_limit"],

@@ -8,8 +8,8 @@ Schema (plain tensors, floats, strings)::
 
 How the library's objects cross the boundary:
 
-* a :class:`~mxmoe.PreparedExperts` as its kernel tensors, ``weights`` = ``[w13, w13_scale, w2, w2_scale, w13_ref,
-  w2_ref, w13_fold, w2_fold]`` and ``extras`` = ``[b13, b2, w13_global_scale, w2_global_scale]`` (each may be None),
+* a :class:`~mxmoe.PreparedExperts` as its tensors, ``weights`` = ``[w13, w13_scale, w2, w2_scale, w13_ref,
+  w2_ref, w13_fold, w2_fold, w13_scale_restore, w2_scale_restore]`` and ``extras`` = ``[b13, b2, w13_global_scale, w2_global_scale]`` (each may be None),
   and its host flag ``all_fold`` (:func:`expert_tensors` gives all three);
 * a :class:`~mxmoe.Workspace` as an int handle (:func:`workspace_handle`; -1: none, the cached workspace). A
   workspace is scratch: what the op writes there is never read by the caller, so it is not an argument PyTorch has to
@@ -54,19 +54,18 @@ def workspace_handle(workspace) -> int:
 def expert_tensors(experts: PreparedExperts) -> tuple[list, list, bool]:
     """``(weights, extras, all_fold)``: how ``experts`` crosses the op boundary."""
     weights = [experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, experts.w13_ref, experts.w2_ref,
-               experts.w13_fold, experts.w2_fold]
+               experts.w13_fold, experts.w2_fold, experts.w13_scale_restore, experts.w2_scale_restore]
     extras = [experts.b13, experts.b2, experts.w13_global_scale, experts.w2_global_scale]
     return weights, extras, experts.all_fold
 
 
 def _experts(weights: list, extras: list, all_fold: bool) -> PreparedExperts:
-    w13, w13_scale, w2, w2_scale, w13_ref, w2_ref, w13_fold, w2_fold = weights
-    none = torch.zeros(0, 2, dtype=torch.int64, device=w13.device)  # (the restore bytes: unprepare's, not the run's)
+    w13, w13_scale, w2, w2_scale, w13_ref, w2_ref, w13_fold, w2_fold, restore13, restore2 = weights
     return PreparedExperts(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, w13_ref=w13_ref, w2_ref=w2_ref,
                            w13_fold=w13_fold, w2_fold=w2_fold, b13=extras[0], b2=extras[1],
                            w13_global_scale=extras[2], w2_global_scale=extras[3], source_layout="gate_up",
                            source_scale_dtypes=(torch.uint8, torch.uint8), all_fold=all_fold,
-                           w13_scale_restore=none, w2_scale_restore=none)
+                           w13_scale_restore=restore13, w2_scale_restore=restore2)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -132,9 +132,10 @@ def fused_moe_references(
     H = experts.hidden_size
     local = local_expert_ids(topk_ids, experts.num_experts, expert_map).reshape(-1)
     weights = topk_weights.float().reshape(-1)
-    xs = {"exact": x.float(), "w4a16": x.to(torch.bfloat16).float()}
-    if "w4a8" in modes:
-        xs["w4a8"] = fp8_roundtrip(x.float())  # each token quantized once, shared by its routes
+    # each mode's activations (W4A8: each token quantized once, shared by its routes)
+    inputs = {"exact": lambda: x.float(), "w4a16": lambda: x.to(torch.bfloat16).float(),
+              "w4a8": lambda: fp8_roundtrip(x.float())}
+    xs = {mode: inputs[mode]() for mode in modes}
     routed = {mode: torch.zeros(T * top_k, H, dtype=torch.float32, device=x.device) for mode in modes}
     with _no_tf32():
         for e in torch.unique(local[local >= 0]).tolist():
