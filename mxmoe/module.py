@@ -6,7 +6,8 @@ source layout and scale dtypes travel as the module's extra state. ``forward(x, 
 :func:`mxmoe.fused_moe` with the activation given at construction, in a :class:`~mxmoe.Workspace` planned once per
 device for ``max_tokens`` tokens (or grown, outside CUDA-graph capture, to the largest call seen): after warm-up no
 call allocates scratch. The workspace holds W4A8 scratch only where W4A8 can run (``precision="w4a8"``, or ``auto``
-with the threshold set when the workspace is planned).
+with the threshold set when the workspace is planned). The op plans it when it runs (the module passes its
+plan's handle), so a ``torch.compile``'d module plans at run time as an eager one does.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from .moe import fused_moe
 from .prepare import LAYOUT_VERSION, PreparedExperts, check_layout_version, prepare_weights
 from .reference import ACTIVATIONS
-from .selection import PRECISIONS, fp8_min_rows
+from .selection import PRECISIONS
 
 _TENSORS = ("w13", "w13_scale", "w2", "w2_scale", "w13_ref", "w2_ref", "w13_fold", "w2_fold", "w13_scale_restore",
             "w2_scale_restore", "b13", "b2", "w13_global_scale", "w2_global_scale")
@@ -51,7 +52,10 @@ class MoEExperts(torch.nn.Module):
         self.source_scale_dtypes = experts.source_scale_dtypes
         for name in _TENSORS:
             self.register_buffer(name, getattr(experts, name))
-        self._workspaces: dict = {}
+        from ._details.launch import WorkspacePlan
+
+        self._plan = WorkspacePlan(max_tokens, top_k, precision)  # resolved by the op when it runs
+        self._all_fold = experts.all_fold  # a host flag (computing it from the buffers would sync, and not trace)
         self._prepared: Optional[PreparedExperts] = None
 
     @classmethod
@@ -103,7 +107,8 @@ class MoEExperts(torch.nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._prepared = None
-        self._workspaces.clear()
+        self._all_fold = bool(self.w13_fold.all()) and bool(self.w2_fold.all())
+        self._plan.workspaces.clear()
 
     def _apply(self, fn, *args, **kwargs):
         self._prepared = None  # (.to(), .cuda(): the buffers move)
@@ -113,33 +118,16 @@ class MoEExperts(torch.nn.Module):
     def experts(self) -> PreparedExperts:
         """The buffers as a :class:`~mxmoe.PreparedExperts` (built once per set of buffers)."""
         if self._prepared is None or self._prepared.w13 is not self.w13:
-            fold = bool(self.w13_fold.all()) and bool(self.w2_fold.all())  # (a host sync: once per set of buffers)
-            self._prepared = PreparedExperts(**{n: getattr(self, n) for n in _TENSORS}, all_fold=fold,
+            self._prepared = PreparedExperts(**{n: getattr(self, n) for n in _TENSORS}, all_fold=self._all_fold,
                                              source_layout=self.source_layout,
                                              source_scale_dtypes=self.source_scale_dtypes)
         return self._prepared
 
-    def _workspace(self, device: torch.device, tokens: int, top_k: int):
-        from ._details.launch import Workspace
-
-        fp8 = self.precision == "w4a8" or (self.precision == "auto" and fp8_min_rows() > 0)
-        ws = self._workspaces.get(device)
-        experts = self.experts
-        if ws is not None and ws.fits(experts, tokens, top_k, fp8):
-            return ws
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return ws  # fused_moe names what it lacks (warm up eagerly with the largest call first)
-        ws = Workspace(experts, max(tokens, self.max_tokens or 0, ws.max_tokens if ws else 0),
-                       max(top_k, self.top_k or 0, ws.top_k if ws else 0), fp8=fp8)
-        self._workspaces[device] = ws
-        return ws
-
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ws = self._workspace(x.device, topk_ids.shape[0], topk_ids.shape[1])
         return fused_moe(x, self.experts, topk_weights, topk_ids, activation=self.activation,
                          swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha, expert_map=expert_map,
-                         precision=self.precision, out=out, workspace=ws)
+                         precision=self.precision, out=out, workspace=self._plan)
 
     def extra_repr(self) -> str:
         E, two_i, half_h = self.w13.shape

@@ -21,7 +21,7 @@ from ._details import interpreting
 from .op import expert_tensors, workspace_handle
 from .prepare import PreparedExperts, check_layout_version
 from .reference import ACTIVATIONS
-from .selection import select_precision
+from .selection import PRECISIONS, select_precision
 
 
 def kernel_backend(device: torch.device) -> str:
@@ -112,17 +112,23 @@ def fused_moe(
     Bad arguments raise ``TypeError``/``ValueError`` naming the argument, before any work.
     """
     T, top_k = validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out)
-    ran = select_precision(T * top_k, precision=precision)
-    if workspace is not None:  # the same check on every path (the emulation reads no workspace)
-        from ._details.launch import Workspace
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if workspace is not None:
+        from ._details.launch import Workspace, WorkspacePlan
 
-        if not isinstance(workspace, Workspace):
+        if not isinstance(workspace, (Workspace, WorkspacePlan)):  # (a plan: MoEExperts's)
             raise TypeError(f"workspace must be a mxmoe.Workspace, got {type(workspace).__name__}")
-        workspace.check(experts, T, top_k, ran == "w4a8")
     if out is None:
         out = torch.empty_like(x)
     weights, extras, all_fold = expert_tensors(experts)
-    # the op resolves ``precision`` again when it runs (the same answer eagerly; in a compiled graph the run's)
+    # the op chooses the path when it runs (threshold, graph capture) and checks the workspace against that choice:
+    # in a compiled graph this code runs once, at trace time
     torch.ops.mxmoe.fused_moe(x, weights, extras, topk_weights, topk_ids, expert_map, out, activation, swiglu_limit,
                               swiglu_alpha, precision, all_fold, workspace_handle(workspace))
-    return (out, ran) if return_precision else out
+    if not return_precision:
+        return out
+    if torch.compiler.is_compiling():
+        raise ValueError("return_precision=True is for eager calls: under torch.compile the op chooses the path "
+                         "when the graph runs")
+    return out, select_precision(T * top_k, precision=precision)

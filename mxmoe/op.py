@@ -11,7 +11,8 @@ How the library's objects cross the boundary:
 * a :class:`~mxmoe.PreparedExperts` as its tensors, ``weights`` = ``[w13, w13_scale, w2, w2_scale, w13_ref,
   w2_ref, w13_fold, w2_fold, w13_scale_restore, w2_scale_restore]`` and ``extras`` = ``[b13, b2, w13_global_scale, w2_global_scale]`` (each may be None),
   and its host flag ``all_fold`` (:func:`expert_tensors` gives all three);
-* a :class:`~mxmoe.Workspace` as an int handle (:func:`workspace_handle`; -1: none, the cached workspace). A
+* a :class:`~mxmoe.Workspace` as an int handle (:func:`workspace_handle`; -1: none, the cached workspace), or a
+  module's workspace plan the same way (the op plans its workspace when it runs, also in a compiled graph). A
   workspace is scratch: what the op writes there is never read by the caller, so it is not an argument PyTorch has to
   track; the op writes ``out`` only (``mutates_args``).
 * ``precision`` as the caller gave it (``auto``, ``w4a16``, ``w4a8``): the op resolves it when it runs, so the
@@ -40,7 +41,8 @@ _NEXT_HANDLE = itertools.count()
 
 
 def register_workspace(workspace) -> int:
-    """A new handle for ``workspace`` (a Workspace takes one when it is created): valid while it lives."""
+    """A new handle for ``workspace`` (a Workspace or a WorkspacePlan takes one when it is created): valid while it
+    lives. The op resolves it with ``for_call(experts, tokens, top_k, fp8)``."""
     handle = next(_NEXT_HANDLE)
     _WORKSPACES[handle] = workspace
     return handle
@@ -91,13 +93,12 @@ def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: tor
     T, top_k = topk_ids.shape
     ran = select_precision(T * top_k, precision=precision)
     experts = _experts(weights, extras, all_fold)
-    ws = None
-    if workspace != -1:
-        ws = _WORKSPACES.get(workspace)
-        if ws is None:
-            raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
+    plan = _WORKSPACES.get(workspace) if workspace != -1 else None
+    if workspace != -1 and plan is None:
+        raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
     from .moe import kernel_backend
 
+    ws = None if plan is None else plan.for_call(experts, T, top_k, ran == "w4a8")  # (checked also on the CPU)
     if kernel_backend(x.device) == "triton":
         from ._details.launch import run_fused_moe
 

@@ -57,11 +57,24 @@ def test_opcheck_passes():
 def test_compiled_fullgraph_module_matches_eager_on_the_cpu():
     experts, x, w, ids = _problem()
     layer = _Layer(experts)
-    eager = layer(x, w, ids)
     compiled = torch.compile(layer, fullgraph=True)
-    assert torch.equal(_bits(compiled(x, w, ids)), _bits(eager))
+    got = compiled(x, w, ids)  # traced before any eager call: the module plans its workspace when the op runs
+    assert torch.equal(_bits(got), _bits(layer(x, w, ids)))
     x2 = torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16)  # new values, same graph
     assert torch.equal(_bits(compiled(x2, w, ids)), _bits(layer(x2, w, ids)))
+
+
+def test_a_compiled_graph_reads_the_threshold_when_it_runs(no_triton_interpret, monkeypatch):
+    monkeypatch.delenv("MXMOE_FP8_PREFILL_MIN_ROWS", raising=False)
+    experts, x, w, ids = _problem()
+    compiled = torch.compile(_Layer(experts), fullgraph=True)
+    w4a16 = compiled(x, w, ids)
+    monkeypatch.setenv("MXMOE_FP8_PREFILL_MIN_ROWS", "1")  # every call over it from now on
+    w4a8 = compiled(x, w, ids)
+    kw = dict(activation="swigluoai", workspace=mxmoe.Workspace(experts, 8, 2, fp8=True))
+    assert torch.equal(_bits(w4a8), _bits(mxmoe.fused_moe(x, experts, w, ids, precision="w4a8", **kw) * 2))
+    assert torch.equal(_bits(w4a16), _bits(mxmoe.fused_moe(x, experts, w, ids, precision="w4a16", **kw) * 2))
+    assert not torch.equal(_bits(w4a8), _bits(w4a16))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels in Triton's interpreter")
@@ -122,13 +135,13 @@ def test_module_forward_is_fused_moe_with_a_planned_workspace(no_triton_interpre
     m = mxmoe.MoEExperts(experts, activation="swigluoai", max_tokens=32, top_k=4)
     y = m(x, w, ids)
     assert torch.equal(_bits(y), _bits(mxmoe.fused_moe(x, experts, w, ids, activation="swigluoai")))
-    ws = m._workspaces[x.device]
+    ws = m._plan.workspaces[(x.device, 4, 64, 64)]
     assert ws.max_tokens == 32 and ws.top_k == 4 and not ws.fp8  # no W4A8 scratch: auto without a threshold
     m(x[:3], w[:3], ids[:3])
-    assert m._workspaces[x.device] is ws  # planned once
+    assert m._plan.workspaces[(x.device, 4, 64, 64)] is ws  # planned once
     w8 = mxmoe.MoEExperts(experts, precision="w4a8")
     w8(x, w, ids)
-    assert w8._workspaces[x.device].fp8
+    assert w8._plan.workspaces[(x.device, 4, 64, 64)].fp8
     monkeypatch.setenv("MXMOE_FP8_PREFILL_MIN_ROWS", "64")
     assert mxmoe.Workspace(experts, 8, 2).fp8 and not mxmoe.Workspace(experts, 8, 2, fp8=False).fp8
     with pytest.raises(ValueError, match="activation must be one of"):
@@ -164,9 +177,10 @@ def test_module_moves_to_cuda_from_cpu_prepared_weights():
 def test_compiled_module_and_its_graph_replay_are_bitwise_eager_on_the_gpu(T):
     experts, x, w, ids = _problem("cuda", E=8, H=256, I=128, T=T, top_k=4)
     layer = _Layer(experts).cuda()
-    eager = layer(x, w, ids)
     compiled = torch.compile(layer, fullgraph=True)
-    assert torch.equal(_bits(compiled(x, w, ids)), _bits(eager))
+    got = compiled(x, w, ids)  # traced before any eager call
+    eager = layer(x, w, ids)
+    assert torch.equal(_bits(got), _bits(eager))
     out = torch.empty_like(x)
     static = (x.clone(), w.clone(), ids.clone())
     stream = torch.cuda.Stream()

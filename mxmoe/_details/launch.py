@@ -399,6 +399,11 @@ class Workspace:
             wrong.append("this call runs W4A8 and it has no W4A8 scratch (create it with fp8=True)")
         return wrong
 
+    def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> "Workspace":
+        """This workspace, checked for the call (the op resolves a handle this way, a plan's too)."""
+        self.check(experts, tokens, top_k, fp8)
+        return self
+
     def fits(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> bool:
         return not self.shortfalls(experts, tokens, top_k, fp8)
 
@@ -447,21 +452,40 @@ class Workspace:
                          num_tiles=self.num_tiles)
 
 
-_cached: dict = {}
+class WorkspacePlan:
+    """Workspaces planned per device and expert shape, made (outside CUDA-graph capture) when a call first needs
+    one and grown to the largest call seen; at least ``max_tokens`` x ``top_k``, with W4A8 scratch ahead of need for
+    ``precision="w4a8"`` or ``"auto"`` with the threshold set. The op resolves a plan's handle when it runs, so a
+    compiled graph plans at run time too. The module's plan and the library's default (no ``workspace=``)."""
+
+    def __init__(self, max_tokens: int = 0, top_k: int = 0, precision: Optional[str] = None):
+        from ..op import register_workspace
+
+        self.max_tokens, self.top_k, self.precision = max_tokens or 0, top_k or 0, precision
+        self.workspaces: dict = {}
+        self.handle = register_workspace(self)
+
+    def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
+        key = (experts.device, experts.num_experts, experts.hidden_size, experts.intermediate_size)
+        ws = self.workspaces.get(key)
+        if ws is not None and ws.fits(experts, tokens, top_k, fp8):
+            return ws
+        if experts.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError("workspace: no workspace large enough for this call during CUDA-graph capture; pass "
+                             "workspace=mxmoe.Workspace(experts, max_tokens, top_k) or make the same call eagerly first")
+        ahead = self.precision == "w4a8" or (self.precision == "auto" and fp8_min_rows() > 0)
+        ws = Workspace(experts, max(tokens, self.max_tokens, ws.max_tokens if ws else 0),
+                       max(top_k, self.top_k, ws.top_k if ws else 0), fp8=fp8 or ahead or bool(ws and ws.fp8))
+        self.workspaces[key] = ws
+        return ws
+
+
+_DEFAULT_PLAN = WorkspacePlan()
 
 
 def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
-    """A cached workspace per device and shape, grown (outside capture) when a call needs more."""
-    key = (str(experts.device), experts.num_experts, experts.hidden_size, experts.intermediate_size)
-    ws = _cached.get(key)
-    if ws is not None and ws.fits(experts, tokens, top_k, fp8):
-        return ws
-    if experts.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError("workspace: no workspace large enough for this call during CUDA-graph capture; "
-                         "pass workspace=mxmoe.Workspace(experts, max_tokens, top_k) or run eagerly first")
-    max_tokens = max(tokens, ws.max_tokens if ws else 0)
-    _cached[key] = ws = Workspace(experts, max_tokens, max(top_k, ws.top_k if ws else 0), fp8=fp8 or bool(ws and ws.fp8))
-    return ws
+    """The library's cached workspace for a call without ``workspace=`` (:class:`WorkspacePlan`)."""
+    return _DEFAULT_PLAN.for_call(experts, tokens, top_k, fp8)
 
 
 def early_weights(gemm1: bool, cfg: GemmConfig) -> bool:
