@@ -206,18 +206,18 @@ def operand_races(sass: str) -> list:
     return sorted(found, key=lambda entry: int(entry[2:entry.index("*/")], 16))
 
 
-def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
-                    small_rows=(8, 16384, 32768, 65536)) -> list:
-    """Reports for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain template at every
-    ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the small-tile
-    Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2 on their
-    128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL), and at its first rows also
-    with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the decode K
-    split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1 with its
-    K steps over two programs (``k_parts``)."""
-    from .launch import gemm_config
+def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
+                  small_rows=(8, 16384, 32768, 65536), unfolded: bool = False) -> list:
+    """``(name, gemm1, fp8, cfg, compile_kw)`` for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain
+    template at every ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the
+    small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2
+    on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL), and at its first
+    rows also with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the
+    decode K split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1
+    with its K steps over two programs (``k_parts``). ``unfolded``: also W4A8's exact unfolded kernel at every small
+    rows. ``name`` says the case, not the config, so that a restructure can be compared case by case."""
+    from .launch import gemm_config, unfolded_config
 
-    out = []
     cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False,)),
                                                           ("gluon_small", small_rows, (False, True)))
              for r in rs for fp8 in fp8s]
@@ -233,22 +233,38 @@ def default_reports(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     # output offsets without programmatic dependent launch; GEMM2 only
     cases += [("gluon_small", small_rows[-1], False, dict(intermediate=256), False)]
     cases += [("gluon_small", small_rows[-1], False, dict(out_i64=True, pdl=False), False)]
+    if unfolded:
+        cases += [("gluon_small", r, True, dict(fold=False), False) for r in small_rows[:-1]]
+    out = []
     for kernel, r, fp8, override, direct in cases:
         override = dict(override)
         inter = override.pop("intermediate", I)
-        launch_kw = {key: override.pop(key) for key in ("out_i64", "pdl") if key in override}
-        gemm2_only = "sub_tiles" in override or inter != I or launch_kw
+        compile_kw = {key: override.pop(key) for key in ("out_i64", "pdl", "fold") if key in override}
+        gemm2_only = "sub_tiles" in override or inter != I or ("out_i64" in compile_kw)
         for gemm1 in ((True, ) if "k_parts" in override else (False, ) if gemm2_only else (True, False)):
             n, k = (inter, H) if gemm1 else (H, inter)
             # the direct decode case as launched: GEMM1 with the K split of a one-token grid
             cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1, sm_count=132 if direct else 0)
-            rep = report(compile_gemm(gemm1, fp8, cfg, direct=direct, **launch_kw))
-            out.append(dict(kernel=kernel, fp8=fp8, gemm1=gemm1, rows=r, direct=direct, config=cfg.__dict__,
-                            registers=rep.registers,
-                            spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
-                            async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized,
-                            operand_overwrites=rep.operand_overwrites[:5], k_loop_local=rep.k_loop_local,
-                            k_loop_length=rep.k_loop_length))
+            if compile_kw.get("fold") is False:  # as the launch gives it to the exact kernel
+                cfg = unfolded_config(cfg, gemm1, k)
+            knobs = ",".join(f"{key}={v}" for key, v in sorted({**override, **compile_kw}.items()))
+            name = (f"{kernel}-{r}-{'g1' if gemm1 else 'g2'}-{'fp8' if fp8 else 'bf16'}" + ("-direct" if direct else "")
+                    + (f"-I{inter}" if inter != I else "") + (f"-{knobs}" if knobs else ""))
+            out.append((name, gemm1, fp8, cfg, dict(compile_kw, direct=direct)))
+    return out
+
+
+def default_reports(**shape) -> list:
+    """Reports for :func:`default_cases`."""
+    out = []
+    for name, gemm1, fp8, cfg, compile_kw in default_cases(**shape):
+        rep = report(compile_gemm(gemm1, fp8, cfg, **compile_kw))
+        out.append(dict(case=name, kernel=cfg.kernel, fp8=fp8, gemm1=gemm1, direct=compile_kw["direct"],
+                        config=cfg.__dict__, registers=rep.registers,
+                        spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
+                        async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized,
+                        operand_overwrites=rep.operand_overwrites[:5], k_loop_local=rep.k_loop_local,
+                        k_loop_length=rep.k_loop_length))
     return out
 
 
