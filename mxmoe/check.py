@@ -491,7 +491,7 @@ def _emulated_gemm2_rows(a_q, a_scale, experts: PreparedExperts, topk_weights, l
     return rows
 
 
-def _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map, config_override=None) -> torch.Tensor:
+def _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map) -> torch.Tensor:
     """``launch.gemm1_rows`` (W4A8) into a workspace whose intermediate is NaN first: unwritten rows stay NaN."""
     from ._details import launch
 
@@ -501,11 +501,11 @@ def _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map, config_ov
     if inter is not None:
         inter.fill_(0xFF)  # (uint8 bytes: FP32 NaN)
     return launch.gemm1_rows(x, experts, topk_weights, topk_ids, "swigluoai", GEMM_LEVEL_LIMIT, GEMM_LEVEL_ALPHA,
-                             "w4a8", expert_map, config_override)
+                             "w4a8", expert_map)
 
 
 def gemm_level(x: torch.Tensor, experts: PreparedExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               expert_map: Optional[torch.Tensor] = None, config_override: Optional[dict] = None) -> tuple[dict, dict]:
+               expert_map: Optional[torch.Tensor] = None) -> tuple[dict, dict]:
     """SPEC §5's GEMM-level bound for W4A8: ``(metrics, checks)`` with ``w4a8_gemm1_vs_f64`` and
     ``w4a8_gemm2_vs_f64`` (relative L2 over every route's row; the bounded ones), ``w4a8_gemm1_worst_route`` and
     ``w4a8_gemm2_worst_route`` (the largest of one route's row, information), and booleans.
@@ -517,8 +517,8 @@ def gemm_level(x: torch.Tensor, experts: PreparedExperts, topk_weights: torch.Te
     intermediate's E4M3 codes and scales that call produced (:func:`gemm2_reference_f64`).
 
     Where ``fused_moe`` runs the kernels (CUDA, or ``TRITON_INTERPRET=1``) this measures them; elsewhere (CPU) it
-    measures the PyTorch emulation's FP32 GEMMs, which only exercises the references. ``config_override``: a tile
-    config for both GEMMs (``launch.run_fused_moe``'s; developer measurements, e.g. scripts/w4a8_fold.py).
+    measures the PyTorch emulation's FP32 GEMMs, which only exercises the references. Tile configs other than the
+    library's: ``config.overrides`` around the call (developer measurements, e.g. scripts/w4a8_fold.py).
     """
     if experts.b13 is not None or experts.b2 is not None:
         raise ValueError("the GEMM-level check takes experts without biases")
@@ -532,8 +532,8 @@ def gemm_level(x: torch.Tensor, experts: PreparedExperts, topk_weights: torch.Te
     checks = {}
     # GEMM1
     if kernels:
-        rows = _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map, config_override)
-        again = _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map, config_override)
+        rows = _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map)
+        again = _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map)
     else:
         rows = again = _emulated_gemm1_rows(x, experts, local, top_k)
     _sync(x.device)
@@ -554,16 +554,9 @@ def gemm_level(x: torch.Tensor, experts: PreparedExperts, topk_weights: torch.Te
             raise RuntimeError("Workspace.routed_out is gone: the GEMM2-level check writes GEMM2's rows in FP32 there")
         ws.routed_out = torch.full((R, experts.hidden_size), math.nan, dtype=torch.float32, device=x.device)
         out = torch.full_like(x, math.nan)
-        if config_override is None:
-            _, ran = fused_moe(x, experts, topk_weights, topk_ids, activation="swigluoai",
-                               swiglu_limit=GEMM_LEVEL_LIMIT, swiglu_alpha=GEMM_LEVEL_ALPHA, expert_map=expert_map,
-                               precision="w4a8", out=out, workspace=ws, return_precision=True)
-        else:
-            from ._details.launch import run_fused_moe
-
-            run_fused_moe(x, experts, topk_weights, topk_ids, "swigluoai", GEMM_LEVEL_LIMIT, GEMM_LEVEL_ALPHA,
-                          expert_map, "w4a8", out, ws, config_override)
-            ran = "w4a8"
+        _, ran = fused_moe(x, experts, topk_weights, topk_ids, activation="swigluoai",
+                           swiglu_limit=GEMM_LEVEL_LIMIT, swiglu_alpha=GEMM_LEVEL_ALPHA, expert_map=expert_map,
+                           precision="w4a8", out=out, workspace=ws, return_precision=True)
         _sync(x.device)
         checks["gemm2:path"] = ran == "w4a8"
         slot = ws.route_slot[:R].long()

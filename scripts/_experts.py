@@ -1,9 +1,9 @@
 """Helpers of the device scripts: random prepared experts (seeded: every script and run sees the same
-weights), per-GEMM config overrides and per-kernel times."""
+weights), config variants as overrides and per-kernel times."""
 import torch
 
 import mxmoe
-from mxmoe._details import launch
+from mxmoe._details.config import overrides
 # the device scripts' per-kernel times: the bench's (torch profiler, median per kernel over 5 calls after an
 # unrecorded one; raises if the calls launched different kernels)
 from mxmoe.bench import kernel_times  # noqa: F401
@@ -27,26 +27,9 @@ def random_experts(E, H, I, lo=118, hi=122, wide=False, biases=False):
     return mxmoe.prepare_weights(w13, s13, w2, s2, **kw)
 
 
-def per_gemm_overrides():
-    """Route ``launch.gemm_config`` through per-GEMM overrides; returns ``select(variant)``, which takes a
-    variant (flat: one ``config_override`` for both GEMMs, as ``run_fused_moe`` applies it; or ``{"g1":
-    {...}, "g2": {...}}``: each GEMM its own, on top of what ``gemm_config`` picks) and returns the
-    ``config_override`` to pass to ``run_fused_moe``."""
-    current: dict = {}
-    default = launch.gemm_config
-
-    def gemm_config(rows, num_experts, n, k, fp8, override=None, kernel="triton", gemm1=True, sm_count=0):
-        if current:
-            override = current.get("g1" if gemm1 else "g2")
-        return default(rows, num_experts, n, k, fp8, dict(override or {}) or None, kernel=kernel, gemm1=gemm1,
-                       sm_count=sm_count)
-
-    def select(variant):
-        current.clear()
-        if "g1" in variant or "g2" in variant:
-            current.update(variant)
-            return {}
-        return dict(variant)
-
-    launch.gemm_config = gemm_config
-    return select
+def variant(v):
+    """The config overrides of a variant, as a context: flat (``{...}``: both GEMMs) or ``{"g1": {...}, "g2":
+    {...}}`` (each GEMM its own), on top of what ``config.gemm_config`` picks."""
+    if "g1" in v or "g2" in v:
+        return overrides(gemm1=v.get("g1", {}), gemm2=v.get("g2", {}))
+    return overrides(gemm=v)

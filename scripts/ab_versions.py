@@ -57,7 +57,7 @@ for T in [int(t) for t in args.tokens.split(",")]:
     for m, launch, ex in zip(mods, launches, experts):
         ws, out = m.Workspace(ex, T, k, fp8=True), torch.empty_like(x)
         fns.append(lambda launch=launch, ex=ex, ws=ws, out=out: launch.run_fused_moe(
-            x, ex, w, ids, "silu", float("inf"), 1.0, None, args.prec, out, ws, None))
+            x, ex, w, ids, "silu", float("inf"), 1.0, None, args.prec, out, ws))
         outs.append(out)
     checks = []
     for fn, out in zip(fns, outs):

@@ -3,7 +3,7 @@ median of 5 calls; the variants interleaved per T).
 
     python3 scripts/breakdown.py 2048,8192 [w4a16,w4a8] ['[{}, {"num_warps": 8}, {"g1": {"num_warps": 8}}]']
 
-Reference shape. Each variant is a ``config_override``: flat for both GEMMs, or ``{"g1": {...}, "g2": {...}}``
+Reference shape. Each variant is a config override (``_experts.variant``): flat for both GEMMs, or ``{"g1": {...}, "g2": {...}}``
 for each GEMM alone (applied on top of what ``launch.gemm_config`` picks; ``{}`` = the default
 selection). Also prints the relative L2 difference of each variant's output from the first variant's
 (0 = bit-identical)."""
@@ -13,7 +13,7 @@ import sys
 import torch
 
 import mxmoe
-from _experts import kernel_times, per_gemm_overrides, random_experts
+from _experts import kernel_times, random_experts, variant
 from mxmoe._details import launch
 
 E, H, I, k = 288, 4096, 1024, 8
@@ -23,15 +23,15 @@ precs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["w4a16", "w4a8"]
 variants = json.loads(sys.argv[3]) if len(sys.argv) > 3 else [{}]
 if isinstance(variants, dict):
     variants = [variants]
-select = per_gemm_overrides()
 for T in Ts:
     x = torch.randn(T, H, device="cuda").bfloat16(); ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32)
     w = torch.rand(T, k, device="cuda"); ws = mxmoe.Workspace(ex, T, k, fp8=True); out = torch.empty_like(x)
     for prec in precs:
         first = None
         for v in variants:
-            flat = select(v)
-            fn = lambda: launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, dict(flat))
+            def fn(v=v):
+                with variant(v):
+                    launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws)
             out.fill_(float("nan"))
             for _ in range(3): fn()
             torch.cuda.synchronize()

@@ -18,7 +18,7 @@ variants. Writes $OUT/ws_<stage>.json; prints a summary last."""
 import os, sys, time, json
 import torch
 import mxmoe
-from _experts import per_gemm_overrides, random_experts
+from _experts import random_experts, variant
 from mxmoe._details import launch
 from mxmoe.bench import cuda_event_sampler, median
 
@@ -32,16 +32,14 @@ def experts(E, H, I, wide=False):
         ex.all_fold = False
     return ex
 
-select = per_gemm_overrides()
 
 def run(kernel, x, ex, w, ids, prec, ws, act="silu"):
     out = torch.full_like(x, float("nan"))
     over = {} if kernel == "auto" else {"kernel": kernel}
     if kernel != "triton" and os.environ.get("GLUON_JSON"):
         over = json.loads(os.environ["GLUON_JSON"])[prec]
-    launch.run_fused_moe(x, ex, w, ids, act, float("inf") if act == "silu" else 7.0, 1.702, None, prec, out, ws,
-                         select(over))
-    select({})
+    with variant(over):
+        launch.run_fused_moe(x, ex, w, ids, act, float("inf") if act == "silu" else 7.0, 1.702, None, prec, out, ws)
     return out
 
 def rel(a, b):
@@ -90,7 +88,9 @@ if stage in ("all", "time"):
                 kern = dict(kern)
                 if T not in kern.pop("T", [T]) or prec != kern.pop("prec", prec):
                     continue
-                fn = lambda: launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, dict(kern))
+                def fn(kern=kern):
+                    with variant(kern):
+                        launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws)
                 try:
                     fn(); ms = median(cuda_event_sampler(fn, 20))
                 except Exception as e:

@@ -2,7 +2,7 @@
 
     python3 scripts/kernel_variants.py [check|time|all] ['[{"kernel": "gluon_small"}, {"kernel": "gluon_small", "num_stages": 6}]']
 
-``check``: W4A16 outputs of each variant (``config_override`` dicts, as ``launch.run_fused_moe`` takes
+``check``: W4A16 outputs of each variant (config override dicts, ``_experts.variant``, as ``config.overrides`` takes
 them) against the plain template on three shapes (K tail included), masked routes, wide scale spans,
 both activations: relative L2, bitwise equality, unwritten (NaN) elements. ``time``: reference shape,
 T from $TOKENS (default 1,4,16,64,256,1024), median CUDA-event µs (graph replays where T*top_k <= 1024).
@@ -11,7 +11,7 @@ Writes $OUT/small_<stage>.json; prints a summary last.
 import os, sys, json
 import torch
 import mxmoe
-from _experts import random_experts
+from _experts import random_experts, variant
 from mxmoe._details import launch
 from mxmoe.bench import cuda_event_sampler, median, capture_graph
 
@@ -23,7 +23,8 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 def call(x, ex, w, ids, ws, out, v, act="silu"):
-    launch.run_fused_moe(x, ex, w, ids, act, float("inf") if act == "silu" else 7.0, 1.702, None, "w4a16", out, ws, dict(v))
+    with variant(v):
+        launch.run_fused_moe(x, ex, w, ids, act, float("inf") if act == "silu" else 7.0, 1.702, None, "w4a16", out, ws)
 
 rows = []
 stage = sys.argv[1] if len(sys.argv) > 1 else "all"

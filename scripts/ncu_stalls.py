@@ -78,7 +78,7 @@ def run(tokens, prec):
     w = torch.rand(tokens, k, device="cuda")
     ws, out = mxmoe.Workspace(ex, tokens, k, fp8=True), torch.empty_like(x)
     for _ in range(3):
-        launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, {})
+        launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws)
     torch.cuda.synchronize()
 
 

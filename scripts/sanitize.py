@@ -64,9 +64,9 @@ def run_workloads(pdl: bool) -> int:
     import torch
 
     from mxmoe import fused_moe, testing
-    from mxmoe._details import launch
+    from mxmoe._details.config import overrides
 
-    launch.PDL = pdl  # (until the config override of the restructure issue)
+    overrides(pdl=pdl).__enter__()  # for the rest of this process (one per PDL setting)
     names = []
     from triton import knobs
 

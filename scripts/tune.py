@@ -14,6 +14,7 @@ import torch
 import mxmoe
 from _experts import random_experts
 from mxmoe._details import launch
+from mxmoe._details.config import overrides
 from mxmoe.bench import cuda_event_sampler, median
 
 
@@ -40,8 +41,9 @@ def main():
         out = torch.empty_like(x)
         for prec in ("w4a16", "w4a8"):
             for cfg in configs:
-                def run():
-                    launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws, cfg)
+                def run(cfg=cfg):
+                    with overrides(gemm=cfg):
+                        launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws)
                 try:
                     ms = timed(run)
                 except Exception as e:  # report, keep sweeping

@@ -19,9 +19,10 @@ import tempfile
 import torch
 
 import mxmoe
-from _experts import kernel_times, per_gemm_overrides
+from _experts import kernel_times, variant
 from mxmoe import check, reference, testing
 from mxmoe._details import launch
+from mxmoe._details.config import overrides
 from mxmoe.bench import cuda_event_sampler, median
 from mxmoe.prepare import fold_report
 
@@ -75,7 +76,6 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-select = per_gemm_overrides()
 
 
 if "acc" in stages:
@@ -91,7 +91,8 @@ if "acc" in stages:
             ids, w = routing(T, top_k, E)
             x = torch.randn(T, H, device=dev).bfloat16()
             for promote in [None if p == "d" else int(p) for p in opts.get("promote", "d").split(",")]:
-                m, _ = check.gemm_level(x, ex, w, ids, config_override=None if promote is None else dict(promote=promote))
+                with overrides(gemm={} if promote is None else dict(promote=promote)):
+                    m, _ = check.gemm_level(x, ex, w, ids)
                 e1, e2 = m["w4a8_gemm1_vs_f64"], m["w4a8_gemm2_vs_f64"]
                 emit(dict(stage="acc", shape=(E, H, I, top_k), T=T, promote=promote, gemm1=e1, gemm2=e2),
                      f"acc {E},{H},{I},{top_k} T={T} promote={'default' if promote is None else promote}: "
@@ -151,12 +152,13 @@ if "time" in stages:
         out = torch.empty_like(x)
         ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
         calls = {}
+        def call(v, precision):
+            with variant(v):
+                launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, precision, out, ws)
+
         for v in variants:
-            flat = select(v)
-            calls[json.dumps(v)] = (lambda flat=flat, v=v: (select(v), launch.run_fused_moe(
-                x, ex, w, ids, "silu", float("inf"), 1.0, None, "w4a8", out, ws, dict(flat))))
-        calls["w4a16"] = lambda: (select({}), launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None,
-                                                                   "w4a16", out, ws))
+            calls[json.dumps(v)] = lambda v=v: call(v, "w4a8")
+        calls["w4a16"] = lambda: call({}, "w4a16")
         if base is not None:
             ws_b = base.Workspace(ex_base, T, top_k, fp8=True)
             calls["base w4a8"] = lambda: base.fused_moe(x, ex_base, w, ids, precision="w4a8", out=out, workspace=ws_b)

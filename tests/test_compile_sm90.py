@@ -67,7 +67,7 @@ def _uses_wgmma_without_spills(r):
     # warp-specialized kernel differently (Triton 3.8: 136-152 bytes) and `auto` does not pick it there.
     import triton
 
-    from mxmoe._details.launch import gluon_validated
+    from mxmoe._details.config import gluon_validated
 
     # W4A8 GEMM2 in pairs on 128-row tiles with 128-K stages (the fastest form measured, docs/perf-notes.md step 31)
     # spills 24 bytes at 255 registers, outside its K loop

@@ -222,14 +222,14 @@ def test_deterministic(precision):
 @pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("ids_dtype,mapped", [(torch.int32, False), (torch.int64, False), (torch.int32, True)])
 def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch):
-    """Up to ``launch.DIRECT_MAX_TOKENS`` W4A16 tokens run without a route pack and GEMM2 sums their routes:
+    """Up to ``config.DIRECT_MAX_TOKENS`` W4A16 tokens run without a route pack and GEMM2 sums their routes:
     the bits of the packed path, with an expert repeated in a token and across tokens, masked routes (-1,
     out of range, mapped to -1), a fully masked token and all routes masked. Where GEMM1 splits its K steps over
     two programs (``k_parts``: the 2880 shape at T=1) the halves are added, not chained: the same bits run to run,
     rounding apart from the packed path."""
-    from mxmoe._details import launch
+    from mxmoe._details import config, launch
 
-    assert T <= launch.DIRECT_MAX_TOKENS
+    assert T <= config.DIRECT_MAX_TOKENS
     E, H, I, top_k = SHAPES[shape]
     ex = gpu_experts(E, H, I)
     x = torch.randn(T, H, device="cuda").bfloat16()
@@ -249,20 +249,18 @@ def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch)
     w = torch.rand(T, top_k, device="cuda") + 0.1
     ws = mxmoe.Workspace(ex, max_tokens=8, top_k=top_k)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    k_parts = launch.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small", gemm1=True, sm_count=sms).k_parts
+    k_parts = config.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small", gemm1=True, sm_count=sms).k_parts
     for ids_rows in (rows, [[-1] * top_k] * T):
         ids = torch.tensor(ids_rows, dtype=ids_dtype, device="cuda")
         with monkeypatch.context() as m:
             m.setattr(launch.Workspace, "route_pack", lambda *a, **k: pytest.fail("route pack launched"))
-            m.setattr(launch, "topk_sum_kernel", None)  # GEMM2 sums the routes (launch.DIRECT_SUM)
+            m.setattr(launch, "topk_sum_kernel", None)  # GEMM2 sums the routes (Overrides.direct_sum)
             direct = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
         assert (ws.sum_counters == 0).all()  # the last arrival reset each (token, column block) counter
         assert (ws.part_counters == 0).all()  # and each (route, column block) counter of GEMM1's K halves
-        with monkeypatch.context() as m:
-            m.setattr(launch, "DIRECT_SUM", False)
+        with config.overrides(direct_sum=False):
             unfused = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
-        with monkeypatch.context() as m:
-            m.setattr(launch, "DIRECT_DECODE", False)
+        with config.overrides(direct_decode=False):
             packed = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
         assert torch.equal(direct.view(torch.int16), unfused.view(torch.int16))
         if k_parts == 1:
@@ -312,11 +310,11 @@ def test_graph_replay_bitwise(T):
                     reason="programmatic dependent launch needs compute capability 9 or newer")
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 @pytest.mark.parametrize("T", [1, 64])
-def test_programmatic_dependent_launch_changes_nothing(T, precision, monkeypatch):
+def test_programmatic_dependent_launch_changes_nothing(T, precision):
     """Kernels launched to start before the previous one finished (PDL, sm90) give the plain launches' bits,
     also for back-to-back calls whose route pack rewrites what the previous call's top-k sum still reads, and
     around a call with no routed row (no GEMM program has a tile)."""
-    from mxmoe._details import launch
+    from mxmoe._details.config import overrides
 
     E, H, I, top_k = SHAPES["ref"]
     ex = gpu_experts(E, H, I)
@@ -328,10 +326,10 @@ def test_programmatic_dependent_launch_changes_nothing(T, precision, monkeypatch
     routes.append(routes[0])
     runs = {}
     for pdl in (False, True):
-        monkeypatch.setattr(launch, "PDL", pdl)
         outs = [torch.full_like(x, float("nan")) for x in xs]
-        for x, (ids, w), out in zip(xs, routes, outs):  # no synchronization between the calls
-            fused_moe(x, ex, w, ids, precision=precision, out=out, workspace=ws)
+        with overrides(pdl=pdl):
+            for x, (ids, w), out in zip(xs, routes, outs):  # no synchronization between the calls
+                fused_moe(x, ex, w, ids, precision=precision, out=out, workspace=ws)
         torch.cuda.synchronize()
         runs[pdl] = outs
     for plain, early in zip(runs[False], runs[True]):
@@ -411,21 +409,21 @@ def test_gluon_kernel_matches_plain_kernel(shape, T, kind, precision, monkeypatc
                                               ("uniform", torch.int32, 700), ("four_experts", torch.int64, 3),
                                               ("biases_and_global_scales", torch.int32, 700),
                                               ("short_k", torch.int32, 700)])
-def test_wide_tiles(kind, ids_dtype, T, monkeypatch):
-    """W4A16 on the wide 256-row route tiles (``launch.WIDE_FROM`` lowered so that 700 tokens take them): hot experts
+def test_wide_tiles(kind, ids_dtype, T):
+    """W4A16 on the wide 256-row route tiles (set by overrides, so that 700 tokens take them): hot experts
     with several wide tiles, masked routes, partial tiles and tile halves without a row; GEMM2 persistent on the wide
-    tiles and on their 128-row halves (``launch.WIDE_GEMM2``); ``four_experts``: 4 route tiles, 128 GEMM2 tiles (on
+    tiles and on their 128-row halves; ``four_experts``: 4 route tiles, 128 GEMM2 tiles (on
     a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile);
     ``biases_and_global_scales``: both GEMMs' biases and per-expert global scales (the wide GEMM2's epilogue is its
     own); ``short_k``: H = WIDE_MIN_K and I = 256, the fewest K steps (GEMM1 one scale word before its unrolled last
     steps, GEMM2 none). Against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
-    from mxmoe._details import launch
+    from mxmoe._details import config
 
     E, H, I, top_k = SHAPES["ref"]
     if kind == "short_k":
-        E, H, I = 16, launch.WIDE_MIN_K, 256
+        E, H, I = 16, config.WIDE_MIN_K, 256
     ex = gpu_experts(E, H, I, biases=kind == "biases_and_global_scales")
     if kind == "biases_and_global_scales":
         g = torch.Generator(device="cuda").manual_seed(11)
@@ -438,14 +436,14 @@ def test_wide_tiles(kind, ids_dtype, T, monkeypatch):
     else:
         ids, w = routing(T, top_k, E, kind=kind, ids_dtype=ids_dtype, seed=7)
     outs = []
-    for wide_from, wide_gemm2 in ((0, True), (0, False), (10**9, True)):
-        monkeypatch.setattr(launch, "WIDE_FROM", wide_from)
-        monkeypatch.setattr(launch, "WIDE_GEMM2", wide_gemm2)
-        ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under this rule
-        g1 = launch.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small")
-        g2 = launch.gemm_config(T * top_k, E, H, I, False, kernel="gluon_small", gemm1=False)
-        assert g1.wide is (wide_from == 0) and g2.wide is (wide_from == 0 and wide_gemm2)
-        outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
+    wide, halves = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2)
+    for gemm1, gemm2 in ((wide, wide), (wide, halves), ({}, {})):
+        with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
+            ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
+            g1 = config.gemm_config(T * top_k, E, I, H, False, changes.gemm1, kernel="gluon_small")
+            g2 = config.gemm_config(T * top_k, E, H, I, False, changes.gemm2, kernel="gluon_small", gemm1=False)
+            assert g1.wide is bool(gemm1) and g2.wide is (gemm2 is wide)
+            outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 

@@ -122,10 +122,7 @@ def test_all_routes_masked_gives_zeros():
 @pytest.mark.parametrize("tokens,mapped", [(5, False), (20, True), (40, False), (40, True), (400, False)])
 @pytest.mark.parametrize("subs", [1, 16])  # rank counters per expert (two count programs on one counter with 1)
 def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, monkeypatch):
-    from mxmoe._details import launch
     from mxmoe._details.launch import ROUTE_BLOCK, Workspace
-
-    monkeypatch.setattr(launch, "ROUTE_SUBS", subs)
 
     E, T, top_k = 7, tokens, 3
     assert (T * top_k <= ROUTE_BLOCK) == (tokens < 400)
@@ -137,6 +134,7 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, 
     ids = torch.randint(-1, (E if emap is None else 10) + 1, (T, top_k), generator=g, dtype=torch.int32)
     ids[:36, 0] = 2  # hot expert: several tiles where T allows
     ws = Workspace(ex, T, top_k, fp8=True)
+    ws.route_subs = subs  # (sized for more)
     ws.sorted_routes.fill_(7)  # stale contents from an earlier call must not leak
     ws.counts.fill_(3)
     ws.expert_counts.fill_(3)
@@ -165,7 +163,8 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, 
 def test_device_route_pack_of_wide_tiles(E, tokens):
     """The GPU pack kernels on 256-row tiles (W4A16 prefill above ``WIDE_FROM`` rows per expert) against the torch
     pack, in a workspace sized for them."""
-    from mxmoe._details.launch import WIDE_FROM, WIDE_ROWS, Workspace
+    from mxmoe._details.config import WIDE_FROM, WIDE_ROWS
+    from mxmoe._details.launch import Workspace
 
     top_k = 3
     assert tokens * top_k > WIDE_FROM * E  # the workspace makes room for the wide tiles
@@ -182,7 +181,8 @@ def test_device_route_pack_of_wide_tiles(E, tokens):
 def test_workspace_refuses_a_pack_it_has_no_room_for():
     """A pack of taller tiles than the workspace was sized for (the wide tiles below ``WIDE_FROM`` rows per expert)
     is an error, not a write past the buffers."""
-    from mxmoe._details.launch import WIDE_ROWS, Workspace
+    from mxmoe._details.config import WIDE_ROWS
+    from mxmoe._details.launch import Workspace
 
     E, T, top_k = 7, 40, 3
     ws = Workspace(experts(E, 64, 64), T, top_k)

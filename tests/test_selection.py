@@ -81,7 +81,7 @@ def test_bad_precision(env, precision):
                                               ("3.5.1", False), ("4.0.0", False)])
 def test_auto_kernel_takes_gluon_only_on_the_validated_triton(version, expected):
     """``MXMOE_KERNEL=auto`` picks the Gluon kernel only under the Triton release it was measured on."""
-    from mxmoe._details.launch import gluon_validated
+    from mxmoe._details.config import gluon_validated
 
     assert gluon_validated(version) is expected
 
@@ -90,7 +90,7 @@ def test_auto_kernel_takes_gluon_only_on_the_validated_triton(version, expected)
 def test_malformed_kernel_choice_is_an_error(monkeypatch, value):
     import torch
 
-    from mxmoe._details.launch import kernel_choice
+    from mxmoe._details.config import kernel_choice
 
     monkeypatch.setenv("MXMOE_KERNEL", value)
     with pytest.raises(ValueError, match="MXMOE_KERNEL"):
@@ -102,7 +102,7 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
     """Unset/empty means auto; CPU tensors (and the interpreter) always run the plain template."""
     import torch
 
-    from mxmoe._details.launch import kernel_choice
+    from mxmoe._details.config import kernel_choice
 
     monkeypatch.setenv("MXMOE_KERNEL", value)
     assert kernel_choice(torch.device("cpu"), rows=65536, num_experts=8) == "triton"
@@ -125,21 +125,21 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
     ``n`` is GEMM2's N (the hidden size), GEMM1's is 1024."""
     import torch
 
-    from mxmoe._details import launch
+    from mxmoe._details import config
 
     monkeypatch.setenv("MXMOE_KERNEL", env)
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "_gluon_kernel", lambda name="gluon": object())
-    monkeypatch.setattr(launch.triton, "__version__", version)
+    monkeypatch.setattr(config, "interpreting", lambda: False)
+    monkeypatch.setattr(config, "gluon_kernel", lambda name="gluon": object())
+    monkeypatch.setattr(config.triton, "__version__", version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for gemm1, kernel in zip((True, False), expected):
         gemm_n = 1024 if gemm1 else n
-        assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, gemm1=gemm1,
+        assert config.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, gemm1=gemm1,
                                     n=gemm_n) == kernel
-        assert launch.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False,
+        assert config.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False,
                                     gemm1=gemm1, n=gemm_n) == "triton"
     # both GEMMs read one route pack: their configs agree on its tile height
-    cfgs = [launch.gemm_config(rows, 288, gn, k, fp8, kernel=kernel, gemm1=g1)
+    cfgs = [config.gemm_config(rows, 288, gn, k, fp8, kernel=kernel, gemm1=g1)
             for (gn, k, g1), kernel in zip(((1024, n, True), (n, 1024, False)), expected)]
     assert cfgs[0].block_rows * cfgs[0].sub_tiles == cfgs[1].block_rows * cfgs[1].sub_tiles
 
@@ -156,7 +156,7 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
     (288 * 200, False, True, 1024, False),   # GEMM1 has its gate and up halves already
 ])
 def test_gemm2_two_block_form(rows, fp8, gemm1, n, pair):
-    from mxmoe._details.launch import gemm_config
+    from mxmoe._details.config import gemm_config
 
     assert gemm_config(rows, 288, n, 1024, fp8, kernel="gluon_small", gemm1=gemm1).pair is pair
     if gemm1 or n % 128:
@@ -178,15 +178,15 @@ def test_gemm2_two_block_form(rows, fp8, gemm1, n, pair):
 def test_direct_routes(tokens, top_k, E, fp8, kernel, direct):
     """Which calls run without a route pack (``launch.direct_routes``)."""
     from mxmoe._details import launch
+    from mxmoe._details.config import gemm_config, overrides
 
     R = tokens * top_k
-    cfg1 = launch.gemm_config(R, E, 1024, 4096, fp8, kernel=kernel, gemm1=True)
-    cfg2 = launch.gemm_config(R, E, 4096, 1024, fp8, kernel=kernel, gemm1=False)
+    cfg1 = gemm_config(R, E, 1024, 4096, fp8, kernel=kernel, gemm1=True)
+    cfg2 = gemm_config(R, E, 4096, 1024, fp8, kernel=kernel, gemm1=False)
     assert launch.direct_routes(tokens, R, E, fp8, cfg1, cfg2) is direct
     if direct:  # the workspace's intermediate holds a tile per route
         assert launch.route_pack_capacity(R, E, cfg1.block_rows)[0] >= R * cfg1.block_rows
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(launch, "DIRECT_DECODE", False)
+    with overrides(direct_decode=False):
         assert not launch.direct_routes(tokens, R, E, fp8, cfg1, cfg2)
 
 
@@ -200,7 +200,7 @@ def test_direct_routes(tokens, top_k, E, fp8, kernel, direct):
 ])
 def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
     """The small-tile kernel splits K over two warpgroups only where its decode GEMM1 grid fits on the SMs."""
-    from mxmoe._details.launch import gemm_config
+    from mxmoe._details.config import gemm_config
 
     for fp8 in (False, True):
         cfg = gemm_config(rows, 288, n, k, fp8, kernel="gluon_small", gemm1=gemm1, sm_count=sm_count)
@@ -225,7 +225,7 @@ def test_decode_k_split(rows, n, k, gemm1, sm_count, split):
 ])
 def test_decode_k_parts(rows, E, n, k, gemm1, fp8, sm_count, parts):
     """Decode GEMM1 grids of 1 to 1.5 programs per SM split their K steps over two programs (``k_parts``)."""
-    from mxmoe._details.launch import gemm_config
+    from mxmoe._details.config import gemm_config
 
     cfg = gemm_config(rows, E, n, k, fp8, kernel="gluon_small", gemm1=gemm1, sm_count=sm_count)
     assert cfg.k_parts == parts
@@ -252,11 +252,11 @@ def test_decode_k_parts(rows, E, n, k, gemm1, fp8, sm_count, parts):
     (8, False, False, 2880, 64, 4),
 ])
 def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
-    from mxmoe._details.launch import gemm_config
+    from mxmoe._details.config import gemm_config
 
     cfg = gemm_config(rows, 288, 4096 if not gemm1 else 1024, k, fp8, kernel="gluon_small", gemm1=gemm1)
     assert (cfg.block_k, cfg.num_stages) == (block_k, stages)
-    assert cfg.maxnreg == 0  # (the register caps of the exact unfolded W4A8 kernel: launch.unfolded_config)
+    assert cfg.maxnreg == 0  # (the register caps of the exact unfolded W4A8 kernel: config.unfolded_config)
     assert gemm_config(rows, 288, 1024, k, fp8, {"maxnreg": 168}, kernel="gluon_small", gemm1=True).maxnreg == 168
 
 
@@ -267,7 +267,7 @@ def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
 ])
 def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
     """A config the kernel would run wrong (rows left out of the grid) or not at all is an error up front."""
-    from mxmoe._details.launch import gemm_config
+    from mxmoe._details.config import gemm_config
 
     with pytest.raises(ValueError, match=match):
         gemm_config(288 * 64, 288, n, 1024, False, override, kernel="gluon_small", gemm1=False)
@@ -280,7 +280,7 @@ def test_route_tile_height(per_expert, small, plain):
     """The small-tile Gluon kernel leaves 16-row tiles at 12 rows per expert on average (measured), the plain
     template at 16; both take the smallest tile above the average from 32 rows on, up to 128 rows (W4A8 too: its
     fast path holds no per-block partial sums)."""
-    from mxmoe._details.launch import gemm_config, tile_rows_for
+    from mxmoe._details.config import gemm_config, tile_rows_for
 
     rows = int(per_expert * 288)
     assert tile_rows_for(rows, 288) == plain
@@ -306,7 +306,7 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
     """W4A16 prefill with more than 132 rows per expert: 256-row route tiles, GEMM1 persistent on two warpgroups,
     GEMM2 persistent on two warpgroups (or on the tiles' 128-row halves with its two-block form); both GEMMs read one
     pack of 256-row tiles."""
-    from mxmoe._details.launch import WIDE_ROWS, gemm_config
+    from mxmoe._details.config import WIDE_ROWS, gemm_config
 
     rows = int(per_expert * E)
     g1 = gemm_config(rows, E, 1024, H, fp8, kernel="gluon_small", gemm1=True)
@@ -340,7 +340,7 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
 def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
     """The wide kernels unroll a tile's last num_stages - 1 K steps (whole scale words): H below WIDE_MIN_K keeps
     the 128-row tiles, and an explicit wide config with fewer K steps is refused."""
-    from mxmoe._details.launch import WIDE_MIN_K, gemm_config, wide_tail_steps
+    from mxmoe._details.config import WIDE_MIN_K, gemm_config, wide_tail_steps
 
     assert wide_tail_steps(64, 5) == 4 and wide_tail_steps(64, 6) == 6 and wide_tail_steps(64, 4) == 4
     assert wide_tail_steps(64, 3) == 2 and wide_tail_steps(128, 5) == 4
@@ -360,7 +360,7 @@ def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
 def test_small_w4a16_tiles_split_their_k_loop_from_16_steps():
     """W4A16 on small tiles splits its K loop (an untested main part, then the tested last steps) where each warpgroup
     runs at least SPLIT_LOOP_MIN_STEPS K steps; W4A8 and the wide tiles never (they are refused)."""
-    from mxmoe._details.launch import SPLIT_LOOP_MIN_STEPS, gemm_config
+    from mxmoe._details.config import SPLIT_LOOP_MIN_STEPS, gemm_config
 
     def cfg(rows, n, k, fp8=False, gemm1=True, override=None):
         return gemm_config(rows, 288, n, k, fp8, override, kernel="gluon_small", gemm1=gemm1, sm_count=132)
@@ -419,7 +419,7 @@ def test_w4a8_chains_stay_within_the_promotion_length(T, H, I):
     """The W4A8 fast path's FP8 accumulator chains never run over more than ``PROMOTE_K`` of K (SPEC §5's GEMM
     bound), and their FP32 sums go to shared memory exactly where two 64-row chains of 128 routed rows fill the
     registers; the exact unfolded kernel of the same pack takes at most 64 rows per program."""
-    from mxmoe._details.launch import PROMOTE_K, gemm_config, unfolded_config
+    from mxmoe._details.config import PROMOTE_K, gemm_config, unfolded_config
 
     for gemm1, n, k in ((True, I, H), (False, H, I)):
         cfg = gemm_config(T * 8, 256, n, k, True, kernel="gluon_small", gemm1=gemm1, sm_count=132)
@@ -430,3 +430,18 @@ def test_w4a8_chains_stay_within_the_promotion_length(T, H, I):
         slow = unfolded_config(cfg, gemm1, k)
         assert slow.block_rows <= 64 and slow.block_rows * slow.sub_tiles == cfg.block_rows * cfg.sub_tiles
         assert slow.promote == 0 and not slow.promote_smem
+
+
+def test_overrides_nest_reset_and_size_workspaces():
+    """``config.overrides``: the one way to change the library's choices; nested contexts add, leaving restores."""
+    from mxmoe._details.config import Overrides, current_overrides, overrides, pack_tile_heights
+
+    assert current_overrides() == Overrides()
+    assert max(pack_tile_heights(8, 288)) == 128
+    with overrides(gemm={"block_k": 32}, gemm2={"num_stages": 3}) as outer:
+        assert outer.gemm1 == {"block_k": 32} and outer.gemm2 == {"block_k": 32, "num_stages": 3}
+        with overrides(pdl=False, gemm1={"block_rows": 256}) as inner:
+            assert not inner.pdl and inner.gemm2 == outer.gemm2 and inner.gemm1 == {"block_rows": 256}
+            assert max(pack_tile_heights(8, 288)) == 256  # a workspace made here holds the tiles asked for
+        assert current_overrides() is outer
+    assert current_overrides() == Overrides()

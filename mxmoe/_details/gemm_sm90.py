@@ -1374,8 +1374,8 @@ def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0,
 
 @gluon.constexpr_function
 def _wide_tail_groups(BK, S):
-    """Scale-word groups (128 K each) of a wide tile's unrolled last steps (``launch.wide_tail_steps``)."""
-    from .launch import wide_tail_steps  # (launch imports this module lazily)
+    """Scale-word groups (128 K each) of a wide tile's unrolled last steps (``config.wide_tail_steps``)."""
+    from .config import wide_tail_steps  # (config imports this module lazily)
     return wide_tail_steps(BK, S) // (128 // BK)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -22,310 +21,12 @@ from ..routing import RoutePack, route_pack_capacity
 from ..selection import fp8_min_rows
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
+from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, current_overrides, gemm_config, gluon_kernel,
+                     kernel_choice, pack_tile_heights, small_kernel_constexprs, unfolded_config)
 from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
 
-TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
-WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
-WIDE_FROM = 132  # routed rows per expert above which W4A16 takes them (gemm_config)
-WIDE_GEMM2 = True  # GEMM2 on the wide tiles themselves (persistent), else on their 128-row halves
-PDL = True  # programmatic dependent launch (compute capability >= 9) of the one-launch route pack, the small-tile
-# GEMMs and the top-k sum
-EARLY_WEIGHTS = True  # with PDL: GEMM2's first weight stages load before GEMM1 finished
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
 ROUTE_SUBS = 16  # counters per expert of the multi-kernel route pack (routing_kernels.route_count_kernel)
-DIRECT_DECODE = True  # a few tokens, W4A16 on the small-tile Gluon kernels: each route a 16-row tile of its own
-# and no route-pack launch (the GEMMs read the top-k ids themselves; docs/perf-notes.md step 17)
-DIRECT_MAX_TOKENS = 4  # up to which (a repeated expert costs a second tile; measured slower from T=8)
-DIRECT_SUM = True  # with DIRECT_DECODE: GEMM2's last program per (token, column block) adds the token's routed
-# rows (no top-k-sum launch)
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_rows: int  # BT: route-pack tile height (MMA N)
-    block_m: int  # weight rows per program (MMA M)
-    block_k: int
-    num_warps: int
-    num_stages: int
-    kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon" (moe_gemm_ws_kernel), "gluon_small"
-    maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
-    loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
-    converter_regs: int = 112
-    scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
-    k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
-    pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
-    k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
-    # that fill the SMs unevenly)
-    wide: bool = False  # gluon_small W4A16 on 256-row route tiles, persistent, two warpgroups: GEMM1 the gate and up
-    # rows of 32 output columns each (``_wide_gemm1``), GEMM2 64 output columns each (``_wide_gemm2``)
-    sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
-    split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
-    # then its last ones tested (``gemm_sm90._small_steps``)
-    promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
-    # FP32 accumulators (0: one chain over all of K)
-    promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
-
-
-def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
-                  shapes_ok: bool = True, gemm1: bool = True, n: int = 0) -> str:
-    """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of GEMM1 (``gemm1``) or
-    GEMM2 (``n`` output columns) on CUDA.
-
-    ``auto`` runs Gluon kernels on sm90 where they measured fastest on the H200 (docs/perf-notes.md,
-    steps 10, 11 and 14): the one-warpgroup register-operand ``gemm_sm90.moe_gemm_small_kernel`` for every
-    GEMM, except W4A16 GEMM2 on 128-row route tiles (prefill) where its two-block form cannot run
-    (``n % 128 != 0``): there the persistent warp-specialized ``gemm_sm90.moe_gemm_ws_kernel``; the plain
-    template for shapes the Gluon kernels do not take (``shapes_ok``). Gluon is experimental and its API
-    moves between Triton releases, so ``auto`` takes it only on the Triton it was validated on
-    (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon`` forces the same Gluon kernels on any. The
-    interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon"``
-    (warp-specialized) or ``"gluon_small"``.
-    """
-    choice = os.environ.get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
-    if choice not in ("auto", "triton", "gluon"):
-        raise ValueError(f"MXMOE_KERNEL must be auto, triton or gluon, got {choice!r}")
-    if choice == "triton" or interpreting() or device.type != "cuda":
-        return "triton"
-    hopper = torch.cuda.get_device_capability(device)[0] == 9 and _gluon_kernel() is not None
-    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and not gemm2_pair_fits(n)
-    gluon = "gluon" if prefill_gemm2 else "gluon_small"
-    if choice == "gluon":
-        if not hopper:
-            raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
-        return gluon if shapes_ok else "triton"
-    validated = gluon_validated(triton.__version__)
-    return gluon if hopper and validated and shapes_ok else "triton"
-
-
-def gemm2_pair_fits(n: int) -> bool:
-    """Whether GEMM2's N divides into the small-tile kernel's pairs of 64-row weight blocks (``pair``)."""
-    return n % 128 == 0
-
-
-GLUON_VALIDATED_TRITON = ("3.6",)  # major.minor releases the Gluon kernel was measured and tested on
-
-
-@functools.cache
-def gluon_validated(version: str) -> bool:
-    """Whether ``auto`` may pick the Gluon kernel under Triton ``version`` (e.g. ``"3.6.0"``)."""
-    return ".".join(version.split("+")[0].split(".")[:2]) in GLUON_VALIDATED_TRITON
-
-
-@functools.cache
-def _gluon_kernel(name: str = "gluon"):
-    try:
-        from .gemm_sm90 import moe_gemm_small_kernel, moe_gemm_ws_kernel
-    except ImportError:  # a Triton without Gluon
-        return None
-    return moe_gemm_small_kernel if name == "gluon_small" else moe_gemm_ws_kernel
-
-
-def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_fill: float = 1.0) -> int:
-    """Route-pack tile height for ``rows`` routed rows: small tiles where experts see few rows, the smallest
-    only while experts average at most ``first_fill`` of it."""
-    per_expert = rows / max(num_experts, 1)
-    for bt in TILE_ROWS:
-        if per_expert <= bt * (first_fill if bt == TILE_ROWS[0] else 1) or bt >= cap:
-            return bt
-    return TILE_ROWS[-1]
-
-
-def wide_tail_steps(block_k: int, num_stages: int) -> int:
-    """K steps a wide tile unrolls at its end (``gemm_sm90._wide_tail_steps``): its last num_stages - 1, rounded up to
-    whole scale words (128 K each)."""
-    per_word = 128 // block_k
-    return per_word * -(-(num_stages - 1) // per_word)
-
-
-SPLIT_LOOP_MIN_STEPS = 16  # K steps per warpgroup from which the small-tile W4A16 GEMMs split their K loop
-# (``GemmConfig.split_loop``)
-WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles: the wide GEMM1 unrolls its last steps (at
-# up to 6 stages)
-
-
-PROMOTE_K = 1024  # W4A8 fast path: the K over which one FP8 accumulator chain runs before its sums go to FP32
-
-
-def _w4a8_tiles(cfg: dict, bt: int, n: int, k: int, gemm1: bool) -> None:
-    """The W4A8 fast path's tile knobs on the small-tile kernel (H200, reference shape, docs/perf-notes.md step 31):
-    128 K per stage where the scale words allow; GEMM2 always in pairs of 64-row blocks (T=1024..8192 GEMM2 -7 to -11
-    %); FP8 accumulator chains of ``PROMOTE_K`` (longer ones miss SPEC §5's 1.5e-3 on GEMM1: 2048 K 1.9e-3, 4096 K
-    4.3e-3), their FP32 sums in registers up to 64-row tiles and in shared memory at 128 rows (64-K stages there, so
-    that two programs still fit on an SM)."""
-    if k % 128 == 0:
-        cfg.update(block_k=128, num_stages=3 if bt <= 32 else 4)
-    if not gemm1 and gemm2_pair_fits(n):
-        cfg.update(pair=True)
-    two_chains = gemm1 or cfg["pair"]
-    promote = k > PROMOTE_K
-    if bt == 128 and two_chains:
-        if promote or gemm1:
-            cfg.update(block_k=64 if k % 64 == 0 else cfg["block_k"], num_stages=4)
-        else:  # GEMM2 pairs at 128 rows, no promotion: 3 stages of 128 K (T=8192 GEMM2 1.31 -> 1.10 ms)
-            cfg.update(num_stages=3)
-    if promote:
-        cfg.update(promote=max(PROMOTE_K // cfg["block_k"], 1), promote_smem=bt == 128 and two_chains)
-
-
-def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
-    """The config of the exact per-block W4A8 kernel (experts whose scales do not fold) on the route pack of ``cfg``:
-    at most 64 routed rows per program (each block's partial sums sit beside the accumulators), larger route tiles in
-    sub-tiles; 128 K per stage where the scale words allow, 64 for GEMM1 at 64 rows under a cap of 200 registers and
-    160 at 32 rows (docs/perf-notes.md steps 13 and 15)."""
-    bt = min(cfg.block_rows, 64)
-    bk = 128 if k % 128 == 0 else cfg.block_k
-    nreg = 0
-    if gemm1 and bk == 128 and bt == 64:
-        bk, nreg = 64, 200
-    elif gemm1 and bk == 128 and bt == 32:
-        nreg = 160
-    return replace(cfg, block_rows=bt, sub_tiles=cfg.sub_tiles * cfg.block_rows // bt, block_k=bk, maxnreg=nreg,
-                   num_stages=3 if bt <= 32 and bk == 128 else 4, pair=cfg.pair and bt == 16, promote=0,
-                   promote_smem=False)
-
-
-def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[dict] = None,
-                kernel: str = "triton", gemm1: bool = True, sm_count: int = 0) -> GemmConfig:
-    override = dict(override or {})
-    kernel = override.pop("kernel", kernel)
-    if kernel == "gluon_small":
-        if k % 64 or n % 64:
-            raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
-        # 16-row tiles up to 12 rows per expert on average: above, the experts past 16 rows (a Poisson spread)
-        # take a second tile, converting their weights twice; 32-row tiles measured faster from there (H200,
-        # reference shape: T=512 W4A16 0.957 -> 0.893, W4A8 0.817 -> 0.803 ms; T=576 1.080 -> 0.902, 0.862 ->
-        # 0.812; equal at 12.4 rows, slower below; docs/perf-notes.md step 14)
-        chosen_bt = override.pop("block_rows", None)
-        bt = chosen_bt or tile_rows_for(rows, num_experts, first_fill=0.75)
-        # W4A16 with more than WIDE_FROM rows per expert (most experts past one 128-row tile): 256-row tiles, GEMM1
-        # on two warpgroups (``wide``: half the conversion per MMA), GEMM2 likewise (persistent) where its scale words
-        # fit (I % 128 == 0), else on their 128-row halves; GEMM2's N (= H, GEMM1's K) % 128 == 0. H200, reference
-        # shape, the call against 128-row tiles: T=4608 (128 rows per expert) +11.7 %, 4864 (135) -6.4 %, 5120 (142)
-        # -12.5 %, 6144 -10 %, 8192 -9.8 % (docs/perf-notes.md step 21)
-        # (and H >= WIDE_MIN_K: the wide GEMM1 unrolls its last num_stages - 1 K steps, at whole scale words)
-        hidden = k if gemm1 else n
-        if not (chosen_bt or fp8) and rows > WIDE_FROM * num_experts and hidden % 128 == 0 and hidden >= WIDE_MIN_K:
-            bt = WIDE_ROWS
-        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
-                   k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
-        if bt == WIDE_ROWS:  # wide route tiles: both GEMMs on two warpgroups (GEMM2 persistent), or GEMM2 on halves
-            # GEMM1 on 5 stages: H200 T=8192 1.935 -> 1.855 ms, 6144 1.885 -> 1.721 (6: 1.869 / 1.767); 255 registers
-            # (persistent: the next tile's copy state through the tail; 232 spills)
-            if gemm1:
-                cfg.update(wide=True, maxnreg=255, num_stages=5)
-            elif WIDE_GEMM2 and k % 128 == 0 and k // 64 >= wide_tail_steps(64, 4):
-                # persistent, two warpgroups of one 64 x 256 chain each (``gemm_sm90._wide_gemm2``); it unrolls a
-                # tile's last 4 K steps, else (I = 128, e.g. at 8-way tensor parallelism) the halves
-                cfg.update(wide=True, maxnreg=255, num_stages=4)
-            else:
-                cfg.update(block_rows=128, sub_tiles=2)
-                bt = 128
-        # Decode GEMM1 (at most one route tile per routed row). Programs that fit on the SMs at once: one warpgroup
-        # per SM issues too few instructions per cycle, so a second one takes half of the K steps (T=1 on the H200:
-        # 26 -> 21 us; GEMM2 and larger grids got slower; docs/perf-notes.md step 12). Between 1 and 1.5 programs
-        # per SM (E=128, H=I=2880, top_k=4 at T=1: 180 on 132): a third of the SMs would run two programs while the
-        # rest run one; two programs per tile, each half of the K steps, even that out (W4A16 only without a route
-        # pack, ``direct_routes``: the halves join per route; docs/perf-notes.md step 18)
-        programs = (n // 64) * rows
-        if gemm1 and sm_count and rows <= num_experts and k >= 512:
-            if programs <= sm_count:
-                cfg.update(k_split=2, maxnreg=128)
-            elif not fp8 and programs <= 3 * sm_count // 2:
-                cfg.update(k_parts=2)
-        if fp8:
-            _w4a8_tiles(cfg, bt, n, k, gemm1)
-        # W4A16 GEMM2 on 16-row tiles: 64 bytes per weight row and stage (T=1/4/16/64/256: GEMM2 -5..-11 %;
-        # 32- and 64-row tiles equal or slower; docs/perf-notes.md step 12)
-        if not (fp8 or gemm1) and bt == 16 and k % 128 == 0:
-            cfg.update(block_k=128)
-        # W4A16 GEMM2 of one token (T * top_k <= 8 routes) with at most 8 K steps: 6 stages, so that 5 steps' weights
-        # load before its wait, while GEMM1 runs (EARLY_WEIGHTS). H200, reference shape, T=1 graph replay 31.10 ->
-        # 29.76 us (a slower machine: 38.69 -> 37.54); 5 or 7 stages, T=2 and 3 and the 2880 shapes (45 steps) were
-        # slower (docs/perf-notes.md step 19)
-        if not (fp8 or gemm1) and bt == 16 and rows <= 8 and k // cfg["block_k"] <= 8:
-            cfg.update(num_stages=6)
-        # GEMM2 with two 64-row blocks per program, one converting while the other's MMA runs, where it measured
-        # faster (H200, perf-notes step 14): W4A16 from 32-row tiles (GEMM2 T=1024 0.386 -> 0.361, T=8192
-        # 1.689 -> 1.455 ms against the kernels before; slower on 16-row tiles), W4A8 on 16-row tiles (T=64
-        # 0.170 -> 0.159 ms; from 32 rows its registers cost programs per SM: slower)
-        if not (gemm1 or fp8) and gemm2_pair_fits(n) and bt >= 32 and not cfg["wide"]:
-            cfg.update(pair=True)
-        cfg.update(override)
-        if "split_loop" not in override:
-            # W4A16's K loop in two parts (no per-step tests in the first): H200, reference shape, the call T=1024
-            # 907-909 -> 867-869 us, T=2048 1234-1264 -> 1204-1217, T=4096 1962-1978 -> 1860-1936; T=1 GEMM1 17.6 ->
-            # 16.3 us. Where a warpgroup has 8 K steps (GEMM2 on 16-row tiles) no gain showed (calls T=16 -4.8 %,
-            # T=64 +2.6 %), so from 16 (docs/perf-notes.md step 23)
-            steps = k // cfg["block_k"] // (cfg["k_split"] * cfg["k_parts"])  # per warpgroup
-            cfg["split_loop"] = not (fp8 or cfg["wide"]) and steps >= SPLIT_LOOP_MIN_STEPS
-        if k % cfg["block_k"]:
-            raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({cfg['block_k']})")
-        if cfg["scale_words"] and (k % 128 or 128 % cfg["block_k"]):
-            raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
-        if cfg["k_split"] not in (1, 2):
-            raise ValueError("k_split must be 1 or 2")
-        if cfg["k_parts"] not in (1, 2) or (cfg["k_parts"] == 2 and (not gemm1 or fp8 or cfg["k_split"] != 1)):
-            raise ValueError("k_parts=2 is for W4A16 GEMM1 without k_split")
-        if cfg["block_m"] != 64 or cfg["num_warps"] != 4:
-            raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
-        if cfg["pair"] and gemm1:
-            raise ValueError("pair is for GEMM2")
-        if cfg["split_loop"] and (fp8 or cfg["wide"]):
-            raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
-        if cfg["wide"] and not (not fp8 and cfg["block_rows"] == 256 and cfg["k_split"] == 1 and cfg["k_parts"] == 1):
-            raise ValueError("wide is for W4A16 on 256-row tiles")
-        # both wide kernels: scale words, and at least the K steps they unroll at a tile's end
-        wide_short = cfg["wide"] and (not cfg["scale_words"]
-                                      or k // cfg["block_k"] < wide_tail_steps(cfg["block_k"], cfg["num_stages"]))
-        if cfg["wide"] and not gemm1 and (wide_short or cfg["pair"] or n % 128 or cfg["block_k"] != 64
-                                          or cfg["num_stages"] not in (3, 4)):
-            # (5 stages with its output staging exceed the shared memory)
-            raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair, block_k=64, 3 or 4 stages and "
-                             "at least its unrolled last K steps")
-        if gemm1 and wide_short:
-            raise ValueError("the wide GEMM1 takes scale_words and at least its unrolled last K steps "
-                             "(num_stages - 1, rounded up to whole scale words)")
-        if n % (cfg["block_m"] * (2 if cfg["pair"] else 1)):
-            raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
-                             f"(block_m, twice that with pair)")
-        group = 128 // cfg["block_k"] if cfg["scale_words"] else 1  # K steps per scale word
-        if (k // cfg["block_k"]) // (cfg["k_split"] * group) < 1:
-            raise ValueError(f"k_split={cfg['k_split']} needs at least {cfg['k_split'] * group} K steps, K={k} has fewer")
-        return GemmConfig(kernel="gluon_small", **cfg)
-    if kernel == "gluon":
-        if fp8:
-            raise ValueError("the warp-specialized Gluon kernel is W4A16 (W4A8 runs the small-tile kernel)")
-        if k % 64 or n % 64:
-            raise ValueError("the Gluon kernel needs N and K multiples of 64")
-        bt = tile_rows_for(rows, num_experts)
-        if bt >= 64:
-            # two MMA warpgroups on 128 weight rows (per half): half the activation traffic of 64-row
-            # tiles (docs/perf-notes.md step 8)
-            cfg = dict(block_rows=bt, block_m=128 if n % 128 == 0 else 64, block_k=64, num_warps=8)
-        else:
-            cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4)
-        cfg.update(override)
-        halves = 2 if gemm1 else 1
-        bm, bk = cfg["block_m"], cfg["block_k"]
-        stage = halves * bm * (bk * 2 + bk // 2) + cfg["block_rows"] * bk * 2
-        # as many stages as fit in the 227 KiB of shared memory (less barriers), up to 6
-        cfg.setdefault("num_stages", max(2, min(6, (227 * 1024 - 2048) // stage)))
-        return GemmConfig(kernel="gluon", **cfg)
-    bt = tile_rows_for(rows, num_experts)
-    # 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
-    # (Triton 3.6 waits for each wgmma); measured on the H200 (docs/perf-notes.md)
-    cfg = dict(block_rows=bt, block_m=64, block_k=128 if bt <= 32 else 64, num_warps=4, num_stages=3)
-    if fp8:  # one FP8 MMA per K32 block (its scale multiplies the partial sum); 8 warps hold both accumulators
-        cfg.update(block_k=32, num_stages=4, num_warps=8 if bt == 128 else 4)
-    cfg.update(override)
-    if fp8 and cfg["block_k"] != 32:
-        raise ValueError("W4A8 tiles are one K32 scale block deep (block_k=32)")
-    while n % cfg["block_m"]:
-        cfg["block_m"] //= 2
-    while k % cfg["block_k"]:
-        cfg["block_k"] //= 2
-    return GemmConfig(**cfg)
-
 
 class Workspace:
     """Device scratch for :func:`mxmoe.fused_moe`, sized once from (max tokens, top_k, E, H, I).
@@ -348,7 +49,7 @@ class Workspace:
         device = torch.device(device) if device is not None else experts.device
         E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
         R = max_tokens * top_k
-        caps = [route_pack_capacity(R, E, bt) for bt in TILE_ROWS + ((WIDE_ROWS,) if R > WIDE_FROM * E else ())]
+        caps = [route_pack_capacity(R, E, bt) for bt in pack_tile_heights(R, E)]
         max_rows = max(c[0] for c in caps)
         max_tiles = max(c[1] for c in caps)
         i32 = dict(dtype=torch.int32, device=device)
@@ -488,20 +189,6 @@ def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) 
     return _DEFAULT_PLAN.for_call(experts, tokens, top_k, fp8)
 
 
-def early_weights(gemm1: bool, cfg: GemmConfig) -> bool:
-    """Whether a small-tile GEMM launched with PDL copies its first weight stages before its wait (GEMM2)."""
-    return PDL and EARLY_WEIGHTS and not gemm1 and cfg.k_split == 1
-
-
-def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
-    """The small-tile kernel's constexprs for ``cfg`` (its launch's, and ``sm90.compile_gemm``'s as launched with
-    programmatic dependent launch). ``SPLIT_REGS``: the second warpgroup's registers per thread (K split, wide
-    tiles), the launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default)."""
-    return dict(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, SPLIT_REGS=cfg.maxnreg or 128,
-                K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop,
-                EARLY_WEIGHTS=pdl and early_weights(gemm1, cfg), PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)
-
-
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -510,7 +197,7 @@ def _has_pdl(device: torch.device) -> bool:
 def _pdl(device: torch.device, kernel_arg: bool = True) -> dict:
     """Launch options for programmatic dependent launch (Hopper): the kernel may start while the previous one
     in the stream finishes, and waits for it with ``griddepcontrol.wait`` before touching memory."""
-    if not PDL or interpreting() or not _has_pdl(device):
+    if not current_overrides().pdl or interpreting() or not _has_pdl(device):
         return {}
     return dict(launch_pdl=True, **({"PDL": True} if kernel_arg else {}))
 
@@ -525,7 +212,7 @@ def direct_routes(tokens: int, num_routes: int, num_experts: int, fp8: bool, cfg
     distinct experts, so one 16-row tile per route is the pack's own tiling; with a few tokens an expert two
     of them share takes two tiles), W4A16 on the small-tile Gluon kernels, and the workspace's intermediate
     holds a tile per route. Saves the pack's launch (H200 decode: docs/perf-notes.md step 17)."""
-    return (DIRECT_DECODE and tokens <= DIRECT_MAX_TOKENS and not fp8 and cfg1.kernel == cfg2.kernel == "gluon_small"
+    return (current_overrides().direct_decode and tokens <= DIRECT_MAX_TOKENS and not fp8 and cfg1.kernel == cfg2.kernel == "gluon_small"
             and cfg1.block_rows == TILE_ROWS[0]
             and route_pack_capacity(num_routes, num_experts, TILE_ROWS[0])[0] >= num_routes * TILE_ROWS[0])
 
@@ -572,7 +259,7 @@ def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         kernel = moe_gemm_kernel
         extra = dict(PURE=interpreting())
     else:  # the Gluon kernels (no interpreter form)
-        kernel = _gluon_kernel(cfg.kernel)
+        kernel = gluon_kernel(cfg.kernel)
         extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.kernel == "gluon":
             extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
@@ -643,7 +330,7 @@ def _quantize_rows(x, q, scale, row_valid=None):
 
 
 def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, precision,
-               expert_map=None, config_override: Optional[dict] = None) -> torch.Tensor:
+               expert_map=None) -> torch.Tensor:
     """GEMM1's output per route (route pack, [W4A8: x quantization], GEMM1 + activation; no GEMM2): ``[T * top_k,
     I]``, FP32 for W4A8 (before the intermediate's E4M3 quantization), BF16 for W4A16; masked routes' rows are
     zero. For checks of the GEMM alone (``mxmoe check``'s GEMM-level case): arguments as ``run_fused_moe``'s,
@@ -653,7 +340,7 @@ def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, activation, 
         return torch.zeros(0, experts.intermediate_size, dtype=torch.float32 if precision == "w4a8" else torch.bfloat16,
                            device=x.device)
     inter, pack = _run(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision, None, None,
-                       config_override, gemm2=False)
+                       gemm2=False)
     rows = torch.zeros(T * top_k, experts.intermediate_size, dtype=inter.dtype, device=x.device)
     if pack is None:  # the direct path: route r in slot r * block_rows
         slots = torch.arange(T * top_k, device=x.device) * (inter.shape[0] // max(T * top_k, 1))
@@ -666,14 +353,13 @@ def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, activation, 
 
 
 def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
-                  out, workspace: Optional[Workspace], config_override: Optional[dict] = None):
-    """The Triton path of :func:`mxmoe.fused_moe` (arguments already validated)."""
-    return _run(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision, out, workspace,
-                config_override)
+                  out, workspace: Optional[Workspace]):
+    """The Triton path of :func:`mxmoe.fused_moe` (arguments already validated; ``config.overrides`` apply)."""
+    return _run(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision, out, workspace)
 
 
 def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
-         out, workspace: Optional[Workspace], config_override: Optional[dict] = None, gemm2: bool = True):
+         out, workspace: Optional[Workspace], gemm2: bool = True):
     T, top_k = topk_ids.shape
     if out is None:
         out = torch.empty_like(x)
@@ -689,15 +375,16 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
     # the Gluon kernel: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
     sms = _sm_count(x.device) if x.device.type == "cuda" else 0
-    cfg1 = gemm_config(R, E, I, H, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=True),
+    changes = current_overrides()
+    cfg1 = gemm_config(R, E, I, H, fp8, changes.gemm1, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=True),
                        gemm1=True, sm_count=sms)
-    cfg2 = gemm_config(R, E, H, I, fp8, config_override, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False, n=H),
+    cfg2 = gemm_config(R, E, H, I, fp8, changes.gemm2, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False, n=H),
                        gemm1=False)
     assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
     direct = None
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
         n_global = E if expert_map is None else expert_map.numel()
-        sums = (out, workspace.sum_counters) if DIRECT_SUM else (None, None)
+        sums = (out, workspace.sum_counters) if current_overrides().direct_sum else (None, None)
         direct = DirectRoutes(topk_ids, expert_map, n_global, E, *sums, workspace.part_sums, workspace.part_counters)
         pack, max_rows = None, R * cfg1.block_rows
     else:

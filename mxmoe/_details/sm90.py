@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 
 from ..prepare import row_block_unit
 from .gemm import moe_gemm_kernel
-from .launch import GemmConfig
+from .config import GemmConfig
 
 _INT_ARGS_DIVISIBLE = ("stride_a", "stride_out", "N", "K")
 
@@ -71,20 +71,20 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
     else:
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from .launch import _gluon_kernel
-        kernel, source = _gluon_kernel(cfg.kernel), GluonASTSource
+        from .config import gluon_kernel
+        kernel, source = gluon_kernel(cfg.kernel), GluonASTSource
         const.update(OUT_I64=out_i64)
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.kernel == "gluon_small":  # as launched on sm90 (programmatic dependent launch)
-            from .launch import small_kernel_constexprs
+            from .config import small_kernel_constexprs
             const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
             sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
                        sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32",
                        fold_ptr="*i32")
             const.update(FOLD=fp8 and fold)  # W4A8: the fast (folded) kernel, else the exact unfolded one
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
-            # top-k sum (launch.DIRECT_SUM) of 8 routes per token
+            # top-k sum (``Overrides.direct_sum``) of 8 routes per token
             const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0)
     names = list(kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
@@ -216,7 +216,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), g
     decode K split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1
     with its K steps over two programs (``k_parts``). ``unfolded``: also W4A8's exact unfolded kernel at every small
     rows. ``name`` says the case, not the config, so that a restructure can be compared case by case."""
-    from .launch import gemm_config, unfolded_config
+    from .config import gemm_config, unfolded_config
 
     cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False,)),
                                                           ("gluon_small", small_rows, (False, True)))

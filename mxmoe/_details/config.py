@@ -1,0 +1,395 @@
+"""Which kernel runs each GEMM, with which tile config, and the one way to override that.
+
+* :func:`kernel_choice`: the kernel family of a GEMM (``MXMOE_KERNEL``; plain Triton, the warp-specialized Gluon
+  kernel, the small-tile Gluon kernels).
+* :func:`gemm_config`: a :class:`GemmConfig` (frozen; :meth:`GemmConfig.validate` checks it against the GEMM) from
+  small functions, one per knob; each names its reason and the ``docs/perf-notes.md`` step that measured it.
+* :class:`Overrides` / :func:`overrides`: what tests, scripts and tuning change (per-GEMM config fields, PDL, the
+  direct decode path, the top-k sum inside GEMM2), as a context that the launch reads when it runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional
+
+import torch
+import triton
+
+from . import interpreting
+
+TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
+WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
+WIDE_FROM = 132  # routed rows per expert above which W4A16 takes them (perf-notes step 21)
+DIRECT_MAX_TOKENS = 4  # tokens up to which W4A16 runs without a route pack (slower from T=8; step 17)
+SPLIT_LOOP_MIN_STEPS = 16  # K steps per warpgroup from which small-tile W4A16 splits its K loop (step 23)
+PROMOTE_K = 1024  # W4A8: the K of one FP8 accumulator chain before its sums go to FP32 (SPEC §5 bound; step 31)
+GLUON_VALIDATED_TRITON = ("3.6",)  # major.minor releases the Gluon kernels were measured and tested on
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_rows: int  # BT: route-pack tile height (MMA N)
+    block_m: int  # weight rows per program (MMA M)
+    block_k: int
+    num_warps: int
+    num_stages: int
+    kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon" (moe_gemm_ws_kernel), "gluon_small"
+    maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
+    loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
+    converter_regs: int = 112
+    scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
+    k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
+    pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
+    k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
+    # that fill the SMs unevenly)
+    wide: bool = False  # gluon_small W4A16 on 256-row route tiles, persistent, two warpgroups: GEMM1 the gate and up
+    # rows of 32 output columns each (``_wide_gemm1``), GEMM2 64 output columns each (``_wide_gemm2``)
+    sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
+    split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
+    # then its last ones tested (``gemm_sm90._small_steps``)
+    promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
+    # FP32 accumulators (0: one chain over all of K)
+    promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
+
+    def validate(self, n: int, k: int, gemm1: bool, fp8: bool) -> "GemmConfig":
+        """This config, if the small-tile kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
+        if self.kernel != "gluon_small":
+            return self
+        steps = k // self.block_k
+        if k % self.block_k:
+            raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({self.block_k})")
+        if self.scale_words and (k % 128 or 128 % self.block_k):
+            raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
+        if self.k_split not in (1, 2):
+            raise ValueError("k_split must be 1 or 2")
+        if self.k_parts not in (1, 2) or (self.k_parts == 2 and (not gemm1 or fp8 or self.k_split != 1)):
+            raise ValueError("k_parts=2 is for W4A16 GEMM1 without k_split")
+        if self.block_m != 64 or self.num_warps != 4:
+            raise ValueError("the small-tile Gluon kernel takes block_m=64 and num_warps=4 (one warpgroup)")
+        if self.pair and gemm1:
+            raise ValueError("pair is for GEMM2")
+        if self.split_loop and (fp8 or self.wide):
+            raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
+        if self.wide and not (not fp8 and self.block_rows == 256 and self.k_split == 1 and self.k_parts == 1):
+            raise ValueError("wide is for W4A16 on 256-row tiles")
+        # both wide kernels: scale words, and at least the K steps they unroll at a tile's end
+        wide_short = self.wide and (not self.scale_words or steps < wide_tail_steps(self.block_k, self.num_stages))
+        if self.wide and not gemm1 and (wide_short or self.pair or n % 128 or self.block_k != 64
+                                        or self.num_stages not in (3, 4)):
+            # (5 stages with its output staging exceed the shared memory)
+            raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair, block_k=64, 3 or 4 stages and "
+                             "at least its unrolled last K steps")
+        if gemm1 and wide_short:
+            raise ValueError("the wide GEMM1 takes scale_words and at least its unrolled last K steps "
+                             "(num_stages - 1, rounded up to whole scale words)")
+        if n % (self.block_m * (2 if self.pair else 1)):
+            raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
+                             f"(block_m, twice that with pair)")
+        group = 128 // self.block_k if self.scale_words else 1  # K steps per scale word
+        if steps // (self.k_split * group) < 1:
+            raise ValueError(f"k_split={self.k_split} needs at least {self.k_split * group} K steps, K={k} has fewer")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------- overrides
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What a test, a script or a tuning run may change; the defaults are the library's choices.
+
+    ``gemm1`` / ``gemm2``: :class:`GemmConfig` fields (and ``kernel``) set on top of what :func:`gemm_config` picks;
+    ``pdl``: programmatic dependent launch on sm90 (off: every kernel waits for the previous one to finish, e.g. for
+    tools that serialize launches anyway); ``direct_decode``: up to :data:`DIRECT_MAX_TOKENS` W4A16 tokens without a
+    route pack; ``direct_sum``: there, the top-k sum inside GEMM2 (else the top-k-sum kernel)."""
+    gemm1: Mapping = field(default_factory=dict)
+    gemm2: Mapping = field(default_factory=dict)
+    pdl: bool = True
+    direct_decode: bool = True
+    direct_sum: bool = True
+
+    def gemm(self, gemm1: bool) -> Mapping:
+        return self.gemm1 if gemm1 else self.gemm2
+
+
+_OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("mxmoe_overrides", default=Overrides())
+
+
+def current_overrides() -> Overrides:
+    return _OVERRIDES.get()
+
+
+@contextlib.contextmanager
+def overrides(*, gemm: Optional[Mapping] = None, **changes):
+    """``with overrides(gemm1={...}, pdl=False): ...``: the calls inside launch with these :class:`Overrides` (on top
+    of any outer ones); ``gemm``: config fields for both GEMMs (``gemm1`` / ``gemm2`` entries win)."""
+    base = _OVERRIDES.get()
+    if gemm is not None:
+        changes["gemm1"] = {**gemm, **changes.get("gemm1", {})}
+        changes["gemm2"] = {**gemm, **changes.get("gemm2", {})}
+    token = _OVERRIDES.set(replace(base, **changes))
+    try:
+        yield _OVERRIDES.get()
+    finally:
+        _OVERRIDES.reset(token)
+
+
+# ------------------------------------------------------------------------------------------------ kernel choice
+
+
+def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
+                  shapes_ok: bool = True, gemm1: bool = True, n: int = 0) -> str:
+    """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of GEMM1 (``gemm1``) or
+    GEMM2 (``n`` output columns) on CUDA.
+
+    ``auto`` runs Gluon kernels on sm90 where they measured fastest on the H200 (perf-notes steps 10, 11, 14): the
+    small-tile ``moe_gemm_small_kernel`` for every GEMM, except W4A16 GEMM2 on 128-row route tiles (prefill) where its
+    two-block form cannot run (``n % 128 != 0``): there the warp-specialized ``moe_gemm_ws_kernel``; the plain
+    template for shapes the Gluon kernels do not take (``shapes_ok``). Gluon's API moves between Triton releases, so
+    ``auto`` takes it only on the Triton it was validated on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon``
+    forces it on any. The interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon"``
+    (warp-specialized) or ``"gluon_small"``.
+    """
+    choice = os.environ.get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
+    if choice not in ("auto", "triton", "gluon"):
+        raise ValueError(f"MXMOE_KERNEL must be auto, triton or gluon, got {choice!r}")
+    if choice == "triton" or interpreting() or device.type != "cuda":
+        return "triton"
+    hopper = torch.cuda.get_device_capability(device)[0] == 9 and gluon_kernel() is not None
+    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and not gemm2_pair_fits(n)
+    gluon = "gluon" if prefill_gemm2 else "gluon_small"
+    if choice == "gluon":
+        if not hopper:
+            raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
+        return gluon if shapes_ok else "triton"
+    validated = gluon_validated(triton.__version__)
+    return gluon if hopper and validated and shapes_ok else "triton"
+
+
+def gemm2_pair_fits(n: int) -> bool:
+    """Whether GEMM2's N divides into the small-tile kernel's pairs of 64-row weight blocks (``pair``)."""
+    return n % 128 == 0
+
+
+@functools.cache
+def gluon_validated(version: str) -> bool:
+    """Whether ``auto`` may pick the Gluon kernel under Triton ``version`` (e.g. ``"3.6.0"``)."""
+    return ".".join(version.split("+")[0].split(".")[:2]) in GLUON_VALIDATED_TRITON
+
+
+@functools.cache
+def gluon_kernel(name: str = "gluon"):
+    """The Gluon entry kernel of a family (``"gluon"``: warp-specialized, ``"gluon_small"``), or None without Gluon."""
+    try:
+        from .gemm_sm90 import moe_gemm_small_kernel, moe_gemm_ws_kernel
+    except ImportError:  # a Triton without Gluon
+        return None
+    return moe_gemm_small_kernel if name == "gluon_small" else moe_gemm_ws_kernel
+
+
+# ------------------------------------------------------------------------------------------------------- knobs
+
+
+def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_fill: float = 1.0) -> int:
+    """Route-pack tile height for ``rows`` routed rows: small tiles where experts see few rows, the smallest
+    only while experts average at most ``first_fill`` of it."""
+    per_expert = rows / max(num_experts, 1)
+    for bt in TILE_ROWS:
+        if per_expert <= bt * (first_fill if bt == TILE_ROWS[0] else 1) or bt >= cap:
+            return bt
+    return TILE_ROWS[-1]
+
+
+def wide_tail_steps(block_k: int, num_stages: int) -> int:
+    """K steps a wide tile unrolls at its end (``gemm_sm90._wide_tail_steps``): its last num_stages - 1, rounded up to
+    whole scale words (128 K each)."""
+    per_word = 128 // block_k
+    return per_word * -(-(num_stages - 1) // per_word)
+
+
+def pack_tile_heights(routes: int, num_experts: int) -> list:
+    """The route-tile heights a call of ``routes`` routed rows may pack (a workspace holds the largest such pack):
+    the small tiles, the wide ones past ``WIDE_FROM`` rows per expert, and those the current overrides set."""
+    heights = set(TILE_ROWS)
+    if routes > WIDE_FROM * num_experts:
+        heights.add(WIDE_ROWS)
+    changes = current_overrides()
+    for gemm in (changes.gemm1, changes.gemm2):
+        if "block_rows" in gemm:
+            heights.add(gemm["block_rows"] * gemm.get("sub_tiles", 1))
+    return sorted(heights)
+
+
+WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles (their unrolled last steps, 6 stages)
+
+
+def _small_tile_rows(rows: int, num_experts: int, n: int, k: int, fp8: bool, gemm1: bool) -> int:
+    """16-row tiles up to 12 rows per expert (above, experts past 16 rows convert their weights twice; step 14);
+    W4A16 past ``WIDE_FROM`` rows per expert: the 256-row wide tiles where H allows (step 21)."""
+    hidden = k if gemm1 else n
+    if not fp8 and rows > WIDE_FROM * num_experts and hidden % 128 == 0 and hidden >= WIDE_MIN_K:
+        return WIDE_ROWS
+    return tile_rows_for(rows, num_experts, first_fill=0.75)
+
+
+def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
+    """The wide tiles: GEMM1 on two warpgroups, 5 stages (step 21); GEMM2 persistent on two warpgroups where its
+    scale words fit and it has its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8)."""
+    if gemm1:
+        cfg.update(wide=True, maxnreg=255, num_stages=5)
+    elif k % 128 == 0 and k // 64 >= wide_tail_steps(64, 4):
+        cfg.update(wide=True, maxnreg=255, num_stages=4)
+    else:
+        cfg.update(block_rows=128, sub_tiles=2)
+
+
+def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: bool, sm_count: int) -> None:
+    """Decode GEMM1 on a grid that fits the SMs at once: a second warpgroup takes half of the K steps (step 12);
+    between 1 and 1.5 programs per SM, W4A16: two programs per tile split the K steps (step 18)."""
+    if not (sm_count and rows <= num_experts and k >= 512):
+        return
+    programs = (n // 64) * rows
+    if programs <= sm_count:
+        cfg.update(k_split=2, maxnreg=128)
+    elif not fp8 and programs <= 3 * sm_count // 2:
+        cfg.update(k_parts=2)
+
+
+def _w4a8_tiles(cfg: dict, n: int, k: int, gemm1: bool) -> None:
+    """W4A8 on the small tiles (step 31): 128 K per stage where the scale words allow; GEMM2 in pairs; FP8 chains of
+    ``PROMOTE_K``, their FP32 sums in registers up to 64-row tiles and in shared memory at 128 rows (64-K stages)."""
+    bt = cfg["block_rows"]
+    if k % 128 == 0:
+        cfg.update(block_k=128, num_stages=3 if bt <= 32 else 4)
+    if not gemm1 and gemm2_pair_fits(n):
+        cfg.update(pair=True)
+    two_chains = gemm1 or cfg["pair"]
+    promote = k > PROMOTE_K
+    if bt == 128 and two_chains:
+        if promote or gemm1:
+            cfg.update(block_k=64 if k % 64 == 0 else cfg["block_k"], num_stages=4)
+        else:  # GEMM2 pairs at 128 rows, no promotion: 3 stages of 128 K
+            cfg.update(num_stages=3)
+    if promote:
+        cfg.update(promote=max(PROMOTE_K // cfg["block_k"], 1), promote_smem=bt == 128 and two_chains)
+
+
+def _w4a16_gemm2(cfg: dict, rows: int, n: int, k: int) -> None:
+    """W4A16 GEMM2: 128 K per stage on 16-row tiles (step 12); one token with at most 8 K steps: 6 stages, so that 5
+    load before its wait while GEMM1 runs (step 19); two 64-row blocks per program from 32-row tiles (step 14)."""
+    bt = cfg["block_rows"]
+    if bt == 16 and k % 128 == 0:
+        cfg.update(block_k=128)
+    if bt == 16 and rows <= 8 and k // cfg["block_k"] <= 8:
+        cfg.update(num_stages=6)
+    if gemm2_pair_fits(n) and bt >= 32 and not cfg["wide"]:
+        cfg.update(pair=True)
+
+
+def _split_loop(cfg: dict, k: int, fp8: bool) -> bool:
+    """W4A16's K loop in two parts (no per-step tests in the first) from 16 steps per warpgroup (step 23)."""
+    steps = k // cfg["block_k"] // (cfg["k_split"] * cfg["k_parts"])  # per warpgroup
+    return not (fp8 or cfg["wide"]) and steps >= SPLIT_LOOP_MIN_STEPS
+
+
+def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count) -> GemmConfig:
+    if k % 64 or n % 64:
+        raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
+    chosen_bt = override.pop("block_rows", None)
+    bt = chosen_bt or _small_tile_rows(rows, num_experts, n, k, fp8, gemm1)
+    cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
+               k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
+    if bt == WIDE_ROWS:
+        _wide_knobs(cfg, k, gemm1)
+    if gemm1:
+        _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count)
+    if fp8:
+        _w4a8_tiles(cfg, n, k, gemm1)
+    elif not gemm1:
+        _w4a16_gemm2(cfg, rows, n, k)
+    cfg.update(override)
+    if "split_loop" not in override:
+        cfg["split_loop"] = _split_loop(cfg, k, fp8)
+    return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
+
+
+def _ws_config(rows, num_experts, n, k, fp8, override: dict, gemm1) -> GemmConfig:
+    """The warp-specialized kernel: from 64-row tiles two MMA warpgroups on 128 weight rows (half the activation
+    traffic; step 8); as many stages as fit in the 227 KiB of shared memory, up to 6."""
+    if fp8:
+        raise ValueError("the warp-specialized Gluon kernel is W4A16 (W4A8 runs the small-tile kernel)")
+    if k % 64 or n % 64:
+        raise ValueError("the Gluon kernel needs N and K multiples of 64")
+    bt = tile_rows_for(rows, num_experts)
+    if bt >= 64:
+        cfg = dict(block_rows=bt, block_m=128 if n % 128 == 0 else 64, block_k=64, num_warps=8)
+    else:
+        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4)
+    cfg.update(override)
+    halves = 2 if gemm1 else 1
+    bm, bk = cfg["block_m"], cfg["block_k"]
+    stage = halves * bm * (bk * 2 + bk // 2) + cfg["block_rows"] * bk * 2
+    cfg.setdefault("num_stages", max(2, min(6, (227 * 1024 - 2048) // stage)))
+    return GemmConfig(kernel="gluon", **cfg)
+
+
+def _template_config(rows, num_experts, n, k, fp8, override: dict) -> GemmConfig:
+    """The plain template: 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
+    (Triton waits for each wgmma); W4A8 one FP8 MMA per K32 block (its scale multiplies the partial sum)."""
+    bt = tile_rows_for(rows, num_experts)
+    cfg = dict(block_rows=bt, block_m=64, block_k=128 if bt <= 32 else 64, num_warps=4, num_stages=3)
+    if fp8:  # 8 warps hold both accumulators at 128 rows
+        cfg.update(block_k=32, num_stages=4, num_warps=8 if bt == 128 else 4)
+    cfg.update(override)
+    if fp8 and cfg["block_k"] != 32:
+        raise ValueError("W4A8 tiles are one K32 scale block deep (block_k=32)")
+    while n % cfg["block_m"]:
+        cfg["block_m"] //= 2
+    while k % cfg["block_k"]:
+        cfg["block_k"] //= 2
+    return GemmConfig(**cfg)
+
+
+def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override: Optional[Mapping] = None,
+                kernel: str = "triton", gemm1: bool = True, sm_count: int = 0) -> GemmConfig:
+    """The config of one GEMM (``n`` output rows of weights, ``k`` deep) over ``rows`` routed rows on ``kernel``'s
+    family; ``override``: config fields (and ``kernel``) on top; ``sm_count``: the decode K split's grid (0: none)."""
+    override = dict(override or {})
+    kernel = override.pop("kernel", kernel)
+    if kernel == "gluon_small":
+        return _small_config(rows, num_experts, n, k, fp8, override, gemm1, sm_count)
+    if kernel == "gluon":
+        return _ws_config(rows, num_experts, n, k, fp8, override, gemm1)
+    return _template_config(rows, num_experts, n, k, fp8, override)
+
+
+def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
+    """The config of the exact per-block W4A8 kernel (experts whose scales do not fold) on the route pack of ``cfg``:
+    at most 64 routed rows per program (each block's partial sums sit beside the accumulators), larger route tiles in
+    sub-tiles; 128 K per stage where the scale words allow, 64 for GEMM1 at 64 rows under a cap of 200 registers and
+    160 at 32 rows (perf-notes steps 13 and 15)."""
+    bt = min(cfg.block_rows, 64)
+    bk = 128 if k % 128 == 0 else cfg.block_k
+    nreg = 0
+    if gemm1 and bk == 128 and bt == 64:
+        bk, nreg = 64, 200
+    elif gemm1 and bk == 128 and bt == 32:
+        nreg = 160
+    return replace(cfg, block_rows=bt, sub_tiles=cfg.sub_tiles * cfg.block_rows // bt, block_k=bk, maxnreg=nreg,
+                   num_stages=3 if bt <= 32 and bk == 128 else 4, pair=cfg.pair and bt == 16, promote=0,
+                   promote_smem=False)
+
+
+def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
+    """The small-tile kernel's constexprs for ``cfg`` (its launch's, and ``sm90.compile_gemm``'s). ``SPLIT_REGS``: the
+    second warpgroup's registers per thread (K split, wide tiles), the launch's ``maxnreg`` as the first's (128 where
+    none is set, the kernel's default). ``EARLY_WEIGHTS``: with PDL, GEMM2 copies its first weight stages before it
+    waits for GEMM1."""
+    return dict(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, SPLIT_REGS=cfg.maxnreg or 128,
+                K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop,
+                EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1, PROMOTE=cfg.promote,
+                PROMOTE_SMEM=cfg.promote_smem)
