@@ -4,7 +4,7 @@ HGMMA.64xNx16) and waiting for them, with no copies, barriers or scale words. Pe
 
 - RS: a register operand loaded once (the MMA alone),
 - SS: shared memory,
-- CONV: converted from E2M1 words each step by the kernels' asm (``gemm_sm90._bf16_operand``),
+- CONV: converted from E2M1 words each step by the kernels' asm (``sm90_operands._bf16_operand``),
 - CONV+PIPE: the same with the wait one step later (``warpgroup_mma_wait(2)``): ptxas reuses the in-flight
   operand's registers, so its results are wrong; for timing only (what such an overlap could give).
 
@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from mxmoe._details.gemm_sm90 import _bf16_operand, _fragment_words_layout, _small_mma_layout
+from mxmoe._details.sm90_operands import _bf16_operand, _fragment_words_layout, _small_mma_layout
 
 
 @gluon.jit

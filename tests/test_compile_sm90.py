@@ -133,10 +133,10 @@ def test_packed_layout_is_the_prepared_order(rows, unit, row_bytes):
     """Stages wider than a prepared unit (W4A8's 128 K, W4A16 GEMM2 on 16-row tiles) keep their packed bytes in
     shared memory in the prepared order (``prepare.to_row_blocks``: per 64-row block, unit-major), so that a warp's
     copy of 16 rows of one unit is one contiguous run there as in memory: the byte, word and split views the
-    small-tile kernel writes and reads through (``gemm_sm90._packed_layout``) must all map offset o to the same
+    small-tile kernel writes and reads through (``sm90_pipeline._packed_layout``) must all map offset o to the same
     (row, byte)."""
     pytest.importorskip("triton.experimental.gluon")
-    from mxmoe._details.gemm_sm90 import _packed_layout
+    from mxmoe._details.sm90_pipeline import _packed_layout
 
     def coords(layout):  # offset -> logical coordinates (the bases of a linear map over GF(2))
         out = []

@@ -203,7 +203,7 @@ def test_bf16_halves_asm_is_the_korder_asm_split_in_halves():
 
 
 def test_bf16_halves_lo_hi_take_one_half_of_a_paired_factor():
-    """The paired-factor forms (two blocks' factors in one word, ``gemm_sm90._paired_factors``): LO multiplies by the
+    """The paired-factor forms (two blocks' factors in one word, ``sm90_operands._paired_factors``): LO multiplies by the
     low half, HI by the high half, exactly as the plain form with that factor in both halves."""
     rng = np.random.default_rng(5)
     for _ in range(200):
@@ -218,10 +218,10 @@ def test_bf16_halves_lo_hi_take_one_half_of_a_paired_factor():
 
 @pytest.mark.parametrize("first_block", [0, 2])
 def test_paired_factor_words_hold_each_blocks_factor(first_block):
-    """``gemm_sm90._paired_factors``: prmt(word) * 128 + the row's addend gives, in its low / high half, the BF16
+    """``sm90_operands._paired_factors``: prmt(word) * 128 + the row's addend gives, in its low / high half, the BF16
     bits of block first_block / first_block + 1's factor (the per-block form: byte * 0x00800080 + addend), for every
     scale byte b <= ref (the range ``FOLD_REF_MAX`` keeps the field in, so no half carries into the other)."""
-    from mxmoe._details.gemm_sm90 import _pair_select
+    from mxmoe._details.sm90_operands import _pair_select
 
     rng = np.random.default_rng(6)
     fold_max = convert.FOLD_REF_MAX.value

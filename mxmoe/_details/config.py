@@ -50,7 +50,7 @@ class GemmConfig:
     # rows of 32 output columns each (``_wide_gemm1``), GEMM2 64 output columns each (``_wide_gemm2``)
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
     split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
-    # then its last ones tested (``gemm_sm90._small_steps``)
+    # then its last ones tested (``sm90_small._small_steps``)
     promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
     # FP32 accumulators (0: one chain over all of K)
     promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
@@ -182,13 +182,20 @@ def gluon_validated(version: str) -> bool:
 
 
 @functools.cache
-def gluon_kernel(name: str = "gluon"):
-    """The Gluon entry kernel of a family (``"gluon"``: warp-specialized, ``"gluon_small"``), or None without Gluon."""
+def gluon_kernel(name: str = "gluon", wide: bool = False):
+    """The Gluon entry kernel of a family: ``"gluon"`` the warp-specialized ``sm90_ws.moe_gemm_ws_kernel``,
+    ``"gluon_small"`` ``sm90_small.moe_gemm_small_kernel`` or, ``wide``, ``sm90_wide.moe_gemm_wide_kernel``; None
+    without Gluon."""
     try:
-        from .gemm_sm90 import moe_gemm_small_kernel, moe_gemm_ws_kernel
+        if name == "gluon":
+            from .sm90_ws import moe_gemm_ws_kernel as kernel
+        elif wide:
+            from .sm90_wide import moe_gemm_wide_kernel as kernel
+        else:
+            from .sm90_small import moe_gemm_small_kernel as kernel
     except ImportError:  # a Triton without Gluon
         return None
-    return moe_gemm_small_kernel if name == "gluon_small" else moe_gemm_ws_kernel
+    return kernel
 
 
 # ------------------------------------------------------------------------------------------------------- knobs
@@ -205,7 +212,7 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_f
 
 
 def wide_tail_steps(block_k: int, num_stages: int) -> int:
-    """K steps a wide tile unrolls at its end (``gemm_sm90._wide_tail_steps``): its last num_stages - 1, rounded up to
+    """K steps a wide tile unrolls at its end (``sm90_wide._wide_tail_steps``): its last num_stages - 1, rounded up to
     whole scale words (128 K each)."""
     per_word = 128 // block_k
     return per_word * -(-(num_stages - 1) // per_word)
@@ -385,11 +392,12 @@ def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
 
 
 def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
-    """The small-tile kernel's constexprs for ``cfg`` (its launch's, and ``sm90.compile_gemm``'s). ``SPLIT_REGS``: the
-    second warpgroup's registers per thread (K split, wide tiles), the launch's ``maxnreg`` as the first's (128 where
-    none is set, the kernel's default). ``EARLY_WEIGHTS``: with PDL, GEMM2 copies its first weight stages before it
-    waits for GEMM1."""
-    return dict(SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, SPLIT_REGS=cfg.maxnreg or 128,
-                K_PARTS=cfg.k_parts, WIDE=cfg.wide, SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop,
-                EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1, PROMOTE=cfg.promote,
-                PROMOTE_SMEM=cfg.promote_smem)
+    """The small-tile or wide kernel's constexprs for ``cfg`` besides the common ones (its launch's, and
+    ``sm90.compile_gemm``'s). ``SPLIT_REGS``: the second warpgroup's registers per thread (K split, wide tiles), the
+    launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default). ``EARLY_WEIGHTS``: with PDL,
+    GEMM2 copies its first weight stages before it waits for GEMM1."""
+    common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1)
+    if cfg.wide:
+        return common
+    return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
+                SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)

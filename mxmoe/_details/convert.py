@@ -136,7 +136,7 @@ times the BF16x2 factor $5 (the same in both halves): 2**(126 + d) makes the pla
 
 def _bf16_halves_asm(factor_half=None):
     """The asm of ``E2M1X8_TO_BF16_HALVES_ASM``; ``factor_half`` 0 or 1: the factor is that half of $9 in both halves
-    (two blocks' factors in one word, ``gemm_sm90._paired_factors``), which ptxas takes as the multiply's .H0_H0 /
+    (two blocks' factors in one word, ``sm90_operands._paired_factors``), which ptxas takes as the multiply's .H0_H0 /
     .H1_H1 operand: no instruction more."""
     pre, factor = "", "$9"
     if factor_half is not None:
@@ -160,13 +160,13 @@ separate BF16 values (Gluon has no 32-to-2x16-bit register bitcast); ptxas keeps
 E2M1X8_TO_BF16_HALVES_LO_ASM = tl.constexpr(_bf16_halves_asm(0))
 E2M1X8_TO_BF16_HALVES_HI_ASM = tl.constexpr(_bf16_halves_asm(1))
 """``E2M1X8_TO_BF16_HALVES_ASM`` times the low (LO) or high (HI) half of $9 instead of $9 itself: $9 holds two blocks'
-factors (``gemm_sm90._paired_factors``)."""
+factors (``sm90_operands._paired_factors``)."""
 # W4A8 converts each prepared word to E4M3 with one byte-permute lookup per 4 values in an 8-byte table of the block's
 # magnitudes (index = ``eem`` = code & 7): table byte j = the E4M3 bits of E2M1 magnitude j times 2**(o - 6), o in [1, 12]
 # (every such value is an E4M3 normal: 0.5 * 2**-5 = 2**-6 up to 6 * 2**6 = 384). Byte j is 8 o plus a constant for
 # j >= 1 and 0 for j = 0, so the two table words are linear in o: o * 0x08080800 + 0x0C080000 and o * 0x08080808 +
 # 0x1C181410, one multiply-add each from the block's scale byte b, o = b + 12 - ref with a per-row addend
-# (``gemm_sm90._e4m3_addends``; mod 2**32, the bytes come out right whatever the carries in between). Folded (the fast path,
+# (``sm90_operands._e4m3_addends``; mod 2**32, the bytes come out right whatever the carries in between). Folded (the fast path,
 # prepare.fold_fits): every nonzero block of the row has b >= ref - 11, so o is in range and the block scale is in the
 # E4M3 value; the epilogue applies 2**(ref - 133) per row. Unfolded (rows of wider spans): b = 0 and the addend of o = 1
 # (``E4M3_UNFOLDED_LO`` / ``_HI``), values E2M1 * 2**-5, and each block's partial sum is scaled by 2**(b - 122).
@@ -202,7 +202,7 @@ def _e4m3_table_asm(b, lo, hi):
 E2M1X8_TO_E4M3_TABLE_ASM = tl.constexpr(_e4m3_table_asm("$3", "$7", "$11"))
 """With ``pack=4`` (the 4 bytes of a prepared word as one register): $0 / $1 = the E4M3 bytes of the word's values
 in activation slots 4q .. 4q+3 / 16 + 4q .. 16 + 4q + 3 (``prepare.e4m3_slot_order``) of the prepared word $2 (stored
-word q of its block), looked up in the table of scale byte $3 with the row's addends $7 / $11 (``gemm_sm90._e4m3_addends``;
+word q of its block), looked up in the table of scale byte $3 with the row's addends $7 / $11 (``sm90_operands._e4m3_addends``;
 $4..$6, $8..$10, $12..$14 repeat them). The word's bits are placed for BF16 (a value's sign 7 bits above its ``eem``),
 so the lookup first gathers the 8 ``eem`` fields into nibbles: ``n`` = bytes 0 and 2 of the word >> 2 (values 2, 0 and
 3, 1: K 8 + 2q, 2q, 9 + 2q, 1 + 2q) and bytes 1 and 3 of the word with bits 0, 1, 16, 17 moved up by 8 (values 6, 5, 7,

@@ -249,51 +249,60 @@ def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, 
 
 def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
                  gemm1, swigluoai, fp8, cfg: GemmConfig, direct, fold, fold_path: bool):
+    assert direct is None or (cfg.kernel == "gluon_small" and not cfg.wide)
     tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel() * cfg.sub_tiles
-    persistent = cfg.kernel == "gluon" or cfg.wide  # at most one program per SM, walking the tiles
     width = cfg.block_m * (2 if cfg.pair or (cfg.wide and not gemm1) else 1)  # output columns per program (tile)
     grid = (n // width, tiles, cfg.k_parts)
-    if persistent:
+    if cfg.kernel == "gluon" or cfg.wide:  # persistent: at most one program per SM, walking the tiles
         grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
+    meta = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
+                BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages, W_UNIT=row_block_unit(k),
+                num_warps=cfg.num_warps)
+    if not cfg.wide:  # (W4A16 only)
+        meta.update(FP8=fp8)
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
-        extra = dict(PURE=interpreting())
+        meta.update(PURE=interpreting())
     else:  # the Gluon kernels (no interpreter form)
-        kernel = gluon_kernel(cfg.kernel)
-        extra = dict(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
-        if cfg.kernel == "gluon":
-            extra.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
-        if cfg.kernel == "gluon_small":
-            pdl = _pdl(out.device, kernel_arg=False)
-            extra.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
-            # the direct path's arguments, placeholders without it (the kernel takes them always)
-            extra.update(ids_ptr=w_ref, expert_map_ptr=w_ref, num_global=0, num_experts=0, sum_out_ptr=out,
-                         stride_sum_out=0, counters_ptr=w_ref, parts_ptr=direct.part_sums if direct else out,
-                         fold_ptr=fold if fp8 else w_ref, FOLD=fold_path)
-            if direct:
-                extra.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global,
-                             num_experts=direct.num_experts, HAS_MAP=direct.expert_map is not None,
-                             expert_map_ptr=direct.expert_map if direct.expert_map is not None else direct.topk_ids)
-                if direct.sum_out is not None and not gemm1:
-                    extra.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, stride_sum_out=direct.sum_out.stride(0),
-                                 counters_ptr=direct.counters, TOP_K=top_k)
-                if cfg.k_parts == 2:
-                    extra.update(counters_ptr=direct.part_counters)
+        kernel = gluon_kernel(cfg.kernel, cfg.wide)
+        meta.update(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.maxnreg:
-            extra["maxnreg"] = cfg.maxnreg
-    assert direct is None or cfg.kernel == "gluon_small"
+            meta.update(maxnreg=cfg.maxnreg)
+        if cfg.kernel == "gluon":
+            meta.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
+        else:
+            pdl = _pdl(out.device, kernel_arg=False)
+            meta.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
+            if not cfg.wide:
+                meta.update(_small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg, direct, fold, fold_path))
     compiled = kernel[grid](
         a, a_scale if a_scale is not None else w_ref, a.stride(0),
         w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
         *((w_ref, w_ref, w_ref) if direct else (pack.sorted_routes, pack.tile_expert, pack.num_tiles)),
         out, out.stride(0), topk_weights,
-        n, k, top_k, limit, alpha,
-        GEMM1=gemm1, SWIGLUOAI=swigluoai, FP8=fp8, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
-        BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages, W_UNIT=row_block_unit(k),
-        num_warps=cfg.num_warps, **extra,
+        n, k, top_k, limit, alpha, **meta,
     )
     if cfg.kernel == "gluon_small" and not (cfg.wide or direct or cfg.k_split > 1):
         _no_shared_preference(compiled)
+
+
+def _small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes], fold,
+                     fold_path: bool) -> dict:
+    """The small-tile kernel's arguments of the direct path, the K parts and W4A8's fold flags (placeholders where
+    they do not apply: the kernel takes them always)."""
+    args = dict(ids_ptr=w_ref, expert_map_ptr=w_ref, num_global=0, num_experts=0, sum_out_ptr=out, stride_sum_out=0,
+                counters_ptr=w_ref, parts_ptr=direct.part_sums if direct else out, fold_ptr=fold if fp8 else w_ref,
+                FOLD=fold_path)
+    if direct:
+        args.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global, num_experts=direct.num_experts,
+                    HAS_MAP=direct.expert_map is not None,
+                    expert_map_ptr=direct.expert_map if direct.expert_map is not None else direct.topk_ids)
+        if direct.sum_out is not None and not gemm1:
+            args.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, stride_sum_out=direct.sum_out.stride(0),
+                        counters_ptr=direct.counters, TOP_K=top_k)
+        if cfg.k_parts == 2:
+            args.update(counters_ptr=direct.part_counters)
+    return args
 
 
 _L1_SET: set = set()  # CUfunction handles _no_shared_preference has seen

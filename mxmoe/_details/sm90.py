@@ -71,13 +71,15 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
     else:
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from .config import gluon_kernel
-        kernel, source = gluon_kernel(cfg.kernel), GluonASTSource
+        from .config import gluon_kernel, small_kernel_constexprs
+        kernel, source = gluon_kernel(cfg.kernel, cfg.wide), GluonASTSource
         const.update(OUT_I64=out_i64)
         if cfg.kernel == "gluon":
             const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
-        if cfg.kernel == "gluon_small":  # as launched on sm90 (programmatic dependent launch)
-            from .config import small_kernel_constexprs
+        if cfg.wide:  # as launched on sm90 (programmatic dependent launch); W4A16 only
+            del const["FP8"]
+            const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
+        elif cfg.kernel == "gluon_small":
             const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
             sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
                        sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32",

@@ -1,0 +1,477 @@
+"""The wide W4A16 Gluon kernel (``moe_gemm_wide_kernel``): prefill past ~132 routed rows per expert, 256-row
+route tiles on two warpgroups, one chain of 64 x 256 each, persistent (a program per SM walking the tiles); GEMM1
+the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2 64 output columns each
+(``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .convert import FOLD_REF_MAX
+from .sm90_operands import (_bf16_operand, _fold_addend, _fold_ref, _fragment_words, _fragment_words_layout, _pow2,
+                            _scale_word_factors, _scale_word_rows, _small_mma_layout)
+from .sm90_pipeline import (_copy_pointers, _epilogue_values, _issue_stage, _launch_dependents, _origin, _tile_origin,
+                            _wait_for_previous_kernel, _weight_pointers)
+
+
+@gluon.jit
+def _gate_up_rows(rows, N, col0):
+    """The weight row (from the tile's first gate row) of each row of a wide GEMM1 warpgroup's M tile: rows 16 w .. 16 w
+    + 7 are gate columns ``col0 + 8 w ..``, rows 16 w + 8 .. 16 w + 15 the up columns of the same output columns (``N``
+    rows further). The wgmma accumulator gives a thread rows r and r + 8 of its warp, so each thread holds the gate and
+    up sums of the same outputs: no exchange between warpgroups before the activation. (``_weight_pointers`` with
+    ``GATE_UP`` copies these rows.)"""
+    return ((rows // 8) % 2) * N + col0 + 8 * (rows // 16) + rows % 8
+
+
+@gluon.jit
+def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                     tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, staging,
+                     first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup of the persistent wide W4A16 GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
+    ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
+    ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
+    ..`` of the shared ring; then the epilogue of its BM/2 columns for all BT routed rows, from its own accumulator.
+    The ring runs on across tiles (as ``_wide_gemm2_half``): a tile's last steps refill it with the next tile's first
+    steps, whose copies land during the epilogue."""
+    R: gl.constexpr = BT // 2
+    C: gl.constexpr = BM // 2  # output columns
+    NB: gl.constexpr = BK // 32
+    S: gl.constexpr = NUM_STAGES
+    gl.static_assert(NUM_STAGES >= 3 and BM == 64)
+    MMA: gl.constexpr = _small_mma_layout(BT, False)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WL: gl.constexpr = _fragment_words_layout(BM, BK)
+    SC: gl.constexpr = gl.SliceLayout(2, WL)
+    # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
+    HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    if HALF == 1:
+        _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
+    stride = gl.num_programs(0)
+    n_blocks = N // BM
+    num_k = K // BK
+    col0 = HALF * C
+    sm = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, SC)), N, col0)
+    acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
+    G: gl.constexpr = 4 // NB  # K steps per scale word
+    AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
+    a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
+    a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // C, C // 8], [4, 1], [1, 0])  # [BT, C]: 16-B pieces
+    offs_t = gl.arange(0, BT, layout=gl.SliceLayout(1, OL))
+    offs_o = gl.arange(0, C, layout=gl.SliceLayout(0, OL))
+    # the first tile: its copies, its first scale word
+    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, BT)
+    _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
+                                              w_row0, K, True, BM, R, BK, U)
+    w_ptrs = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, col0)[0]
+    for j in gl.static_range(S - 1):
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K)
+    nxt_w = gl.load(w_rows)
+    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
+    expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
+    mbarrier.wait(loaded.index(0), 0)
+    codes = _fragment_words(packed.index(0), BM, BK, WL)
+    c = 0  # ring steps so far
+    for tile in range(first, end, stride):
+        # the next tile (the grid's last tile again where there is none): copy pointers, scale rows, row references;
+        # the expert of the one after it
+        has_next = tile + stride < end
+        nt = gl.minimum(tile + stride, end - 1)
+        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 2, BM, BT)
+        expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
+        routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
+        ref_n = gl.load(ref_ptr + w_row0_n + sm)
+        acc = gl.zeros((BM, BT), gl.float32, MMA)
+        codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
+                                             0, num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes,
+                                             BM, BK, S, U, HALF, WL, DOT)
+        # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
+        ok_n = routes_n >= 0
+        a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
+        w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
+        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
+        codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
+                                             num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
+                                             a_ptrs_n, ok_n, BM, BK, S, U, HALF, WL, DOT)
+        c += num_k
+        # each row times its 2**(r - 127) (as _times_row_ref), then the gate and up rows apart
+        acc = acc * _pow2(_fold_ref(ref_ptr + w_row0 + acc_rows) - 127)[:, None]
+        g, u = acc.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
+        g = gl.convert_layout(g.reshape([C, BT]), HL, assert_trivial=True)
+        u = gl.convert_layout(u.reshape([C, BT]), HL, assert_trivial=True)
+        # the activation of every slot (a padding slot's row too: no routes to read) into ``staging`` [BT, C], then
+        # whole 16-B pieces of its rows to the output (from the accumulator layout: one 2-byte store per value)
+        y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                                                       topk_weights_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
+                                                       top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
+                                                       HAS_GSCALE, C, BT, HL, False, True)
+        staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+        if OUT_I64:
+            out_ptrs = out_ptr + (slot0 + offs_t).to(gl.int64)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :]
+        else:
+            out_ptrs = out_ptr + ((slot0 + offs_t)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :])
+        gl.store(out_ptrs, staging.load(OL))
+        expert = expert_n
+        n0 = n0_n
+        w_row0 = w_row0_n
+        slot0 = slot0_n
+        w_ptrs = w_ptrs_n
+        a_ptrs = a_ptrs_n
+        ok = ok_n
+        w_rows = w_rows_n
+        fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
+        expert_n = expert_nn
+    return ()
+
+
+@gluon.jit
+def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
+                SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
+                BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
+                HALF_REGS: gl.constexpr):
+    """W4A16 GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
+    per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
+    (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
+    converting while the other's MMA runs: half the conversion per MMA of the 128-row tiles' two chains of 64 x 128.
+    They share the activation ring, each copying half of its rows; a slot is refilled once both warpgroups' MMAs on
+    it completed (``consumed``), after this step's MMA went out (before it, each would wait for the other's MMA
+    before converting). One program per SM: a program per tile would idle the SM through each tile's first loads."""
+    gl.static_assert(BT == 256)
+    first = gl.program_id(0)
+    end = (N // BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: the kernel waited for it)
+    if first < end:
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
+        # each warpgroup's BF16 results of a tile [BT, BM/2], stored from here in 16-B pieces of rows
+        OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM // 2], out_ptr.dtype.element_ty)
+        staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM // 2], OUT_SL)
+        staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM // 2], OUT_SL)
+        gl.warp_specialize([
+            (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
+                                loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 0)),
+            (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
+                                loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 1)),
+        ], [4], [HALF_REGS])
+
+
+@gluon.jit
+def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The ``cp.async`` ring of a wide tile's two warpgroups: the shared activation rows, each warpgroup's packed
+    weights, ``loaded`` (every thread of both arrives) and ``consumed`` (both warpgroups' MMAs on the slot
+    completed)."""
+    act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
+                                    gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
+    packed_0 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    packed_1 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_STAGES):
+        mbarrier.init(loaded.index(j), count=2 * 32 * 4)
+        mbarrier.init(consumed.index(j), count=2)
+    return act, packed_0, packed_1, loaded, consumed
+
+
+@gluon.jit
+def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
+               refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
+               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
+    its scale word ``cur_w``: the MMA of the codes loaded before (the next step's are loaded while it runs, if
+    ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both warpgroups' MMAs on it
+    completed: before this step's MMA went out, each would wait for the other's MMA before converting) with K step
+    ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The callers split their K loops so that these
+    conditions are mostly compile-time constants: a runtime test per step costs instructions in every step."""
+    NB: gl.constexpr = BK // 32
+    s = c % S
+    # BF16x2 2**(126 + b - r) per (row, block), two blocks per word where NB is even (as in _small_steps)
+    f = _scale_word_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
+    cur = codes
+    if load_next:
+        t = (c + 1) % S
+        mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
+        codes = _fragment_words(packed.index(t), BM, BK, WL)
+    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), act.index(s).permute((1, 0)), acc,
+                        is_async=True)
+    if refill:
+        if c > 0:
+            mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK, U, 0,
+                     True, HALF * a_ptrs.shape[0])
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(consumed.index(s))
+    return codes, acc
+
+
+@gluon.jit
+def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
+                     a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
+                     HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """Scale-word groups ``jg0 .. jg1 - 1`` of a wide tile's K loop (ring step ``c0`` = the tile's K step 0), all of
+    whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs the last ones).
+    Returns the codes loaded for the next step, the accumulator and the next scale word."""
+    G: gl.constexpr = 4 // (BK // 32)  # K steps per scale word (scale words: K % 128 == 0)
+    for jg in range(jg0, jg1):
+        cur_w = nxt_w
+        nxt_w = gl.load(w_rows + jg + 1)
+        for g in gl.static_range(G):
+            codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
+                                    w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
+                                    WL, DOT)
+    return codes, acc, nxt_w
+
+
+@gluon.jit
+def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
+                     ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
+                     S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """The last ``_wide_tail_groups`` scale-word groups of a wide tile's K loop, unrolled: which of their steps refill
+    the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
+    program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
+    G: gl.constexpr = 4 // (BK // 32)
+    TG: gl.constexpr = _wide_tail_groups(BK, S)
+    for tg in gl.static_range(TG):
+        cur_w = nxt_w
+        if tg + 1 < TG:
+            nxt_w = gl.load(w_rows + num_k // G - TG + tg + 1)
+        elif w_rows_n is not None:
+            nxt_w = gl.load(w_rows_n)
+        for g in gl.static_range(G):
+            c = c0 + num_k - TG * G + tg * G + g
+            # the step it refills, from the tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
+            if tg * G + g + S - 1 < TG * G:
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
+                                        a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
+                                        BK, S, U, HALF, WL, DOT)
+            elif tg * G + g + 1 < TG * G:
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
+                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
+                                        S, U, HALF, WL, DOT)
+            else:  # the tile's last step: the next tile's first codes
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
+                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
+                                        BK, S, U, HALF, WL, DOT)
+    return codes, acc, nxt_w
+
+
+@gluon.jit
+def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
+                 row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
+                 S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
+    (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
+    Returns the codes loaded for the next step, the accumulator and the next scale word."""
+    G: gl.constexpr = 4 // (BK // 32)  # K steps per scale word (scale words: K % 128 == 0)
+    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
+                                         num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes, BM, BK,
+                                         S, U, HALF, WL, DOT)
+    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
+                            a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, HALF,
+                            WL, DOT)
+
+
+@gluon.constexpr_function
+def _wide_tail_groups(BK, S):
+    """Scale-word groups (128 K each) of a wide tile's unrolled last steps (``config.wide_tail_steps``)."""
+    from .config import wide_tail_steps  # (config imports this module lazily)
+    return wide_tail_steps(BK, S) // (128 // BK)
+
+
+@gluon.jit
+def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
+                     out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging, first, end, N,
+                     K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr,
+                     BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
+                     EARLY_WEIGHTS: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup of the persistent wide W4A16 GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
+    ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
+    BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
+    tiles: a tile's last steps refill it with the next tile's first steps, whose copies land during the epilogue.
+
+    The epilogue holds up the tensor core (both warpgroups reach it together), so it does little: what it reads from
+    global memory is loaded a tile ahead or at the tile's start (each tile's expert, row factors, each slot's route and
+    routing weight); routes and weights go through ``cols`` (by tile parity; in the accumulator's layout they would take
+    128 registers), and the BF16 results through ``staging`` [BT, BM], so that each thread stores whole 16-B pieces
+    of output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
+    R: gl.constexpr = BT // 2
+    S: gl.constexpr = NUM_STAGES
+    MMA: gl.constexpr = _small_mma_layout(BT, False)
+    HM: gl.constexpr = _small_mma_layout(BT // 2, False)  # the epilogue's halves
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WL: gl.constexpr = _fragment_words_layout(BM, BK)
+    SC: gl.constexpr = gl.SliceLayout(2, WL)
+    ROWS: gl.constexpr = gl.SliceLayout(1, HM)
+    EL: gl.constexpr = gl.BlockedLayout([BT // 128], [32], [4], [0])  # a tile's slots over the warpgroup
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
+    stride = gl.num_programs(0)
+    n_blocks = N // (2 * BM)
+    num_k = K // BK
+    sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
+    offs_r = gl.arange(0, BM, layout=ROWS)
+    offs_e = gl.arange(0, BT, layout=EL)
+    offs_o = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+
+    # activation rows: this warpgroup's half of the tile's slots, all of them (the MMA's columns are independent, and
+    # a padding slot's output column is not stored): one offset tensor for every tile, 32-bit
+    AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
+    a_off = ((HALF * R + gl.arange(0, R, layout=gl.SliceLayout(1, AL)))[:, None] * stride_a
+             + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
+    # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
+    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, BT)
+    w_row0 += HALF * BM
+    w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U)
+    a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
+    for j in gl.static_range(S - 1):
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U,
+                     1 if EARLY_WEIGHTS else 0, True, HALF * R)
+    _wait_for_previous_kernel()
+    if EARLY_WEIGHTS:
+        for j in gl.static_range(S - 1):
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U, 2, True, HALF * R)
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K)
+    nxt_w = gl.load(w_rows)
+    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
+    expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
+    e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
+    mbarrier.wait(loaded.index(0), 0)
+    codes = _fragment_words(packed.index(0), BM, BK, WL)
+    c = 0  # ring steps so far
+    n_tiles = 0  # tiles so far
+    for tile in range(first, end, stride):
+        # loaded now, used at the epilogue: the row references, the routing weights (each slot's route was loaded a
+        # tile ahead: ptxas computes the weight's address where the route arrives)
+        row_ref = gl.load(ref_ptr + w_row0 + offs_r)
+        bias = gl.zeros([BM], gl.float32, ROWS)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + w_row0 + offs_r)
+        gs = 1.0
+        if HAS_GSCALE:
+            gs = gl.load(gscale_ptr + expert)
+        e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)  # (its routes: a tile ago)
+        # the next tile (the grid's last tile again where there is none): copy pointers, scale row, row references
+        # (used at the end of this tile), its slots' routes; the expert of the one after it
+        has_next = tile + stride < end
+        nt = gl.minimum(tile + stride, end - 1)
+        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
+        w_row0_n += HALF * BM
+        expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
+        w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
+        a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
+        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
+        ref_n = gl.load(ref_ptr + w_row0_n + sm)
+        e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
+        acc = gl.zeros((BM, BT), gl.float32, MMA)
+        codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
+                                         num_k, w_ptrs, a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n,
+                                         a_ptrs_n, None, BM, BK, S, U, HALF, WL, DOT)
+        c += num_k
+        # epilogue: W4A16 row factors (as _times_row_ref), global scale, bias and routing weight (as _epilogue), in
+        # two halves of the routed rows, into ``staging``; then the routed rows' 16-B pieces to the output
+        p = n_tiles & 1
+        cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
+        cols.index(2 * p + 1).store(e_weights)
+        row_f = _pow2(gl.minimum(row_ref, FOLD_REF_MAX) - 127)
+        lo, hi = acc.reshape([BM, 2, BT // 2]).permute((0, 2, 1)).split()
+        for h in gl.static_range(2):
+            part = gl.convert_layout(lo if h == 0 else hi, HM, assert_trivial=True)
+            weights = cols.index(2 * p + 1).slice(h * R, R).load(gl.SliceLayout(0, HM))
+            y = part * row_f[:, None] * gs
+            if HAS_BIAS:
+                y += bias[:, None]
+            y = y * weights[None, :]
+            staging.slice(h * R, R).permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+        routes = cols.index(2 * p).load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
+        row_ok = routes >= 0
+        offs_n = n0 + HALF * BM + offs_o
+        if OUT_I64:
+            out_ptrs = out_ptr + gl.where(row_ok, routes, 0).to(gl.int64)[:, None] * stride_out + offs_n[None, :]
+        else:
+            out_ptrs = out_ptr + (gl.where(row_ok, routes, 0)[:, None] * stride_out + offs_n[None, :])
+        gl.store(out_ptrs, staging.load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
+        n_tiles += 1
+        expert = expert_n
+        n0 = n0_n
+        w_row0 = w_row0_n
+        w_ptrs = w_ptrs_n
+        a_ptrs = a_ptrs_n
+        w_rows = w_rows_n
+        fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
+        expert_n = expert_nn
+        e_routes = e_routes_n
+    return ()
+
+
+@gluon.jit
+def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
+                num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
+                HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr,
+                HALF_REGS: gl.constexpr):
+    """W4A16 GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
+    walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
+    (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
+    the wide GEMM1). With such short programs (K = I) a program per tile would leave the tensor core idle through
+    every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
+    gl.static_assert(BT == 256 and NUM_STAGES >= 3)
+    first = gl.program_id(0)
+    end = (N // (2 * BM)) * gl.load(num_tiles_ptr)  # (the route pack is complete: GEMM1 waited for it)
+    if first < end:
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
+        # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
+        # stores and loads of them: Triton's shared-memory barrier pass)
+        FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        cols_0 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
+        cols_1 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
+        # each warpgroup's BF16 results of a tile, the routed rows' 16-B pieces then stored from here
+        OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM], out_ptr.dtype.element_ty)
+        staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
+        staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
+        gl.warp_specialize([
+            (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                                tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act, loaded, consumed,
+                                cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
+                                OUT_I64, U, EARLY_WEIGHTS, 0)),
+            (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                                tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act, loaded, consumed,
+                                cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
+                                OUT_I64, U, EARLY_WEIGHTS, 1)),
+        ], [4], [HALF_REGS])
+    else:
+        _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
+
+
+@gluon.jit
+def moe_gemm_wide_kernel(
+    a_ptr, a_scale_ptr, stride_a,
+    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
+    out_ptr, stride_out, topk_weights_ptr,
+    N, K, top_k, limit, alpha,
+    GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
+    BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
+    W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr,
+):
+    """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
+    one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
+    32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2 launched with PDL):
+    its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s)."""
+    gl.static_assert(BM == 64 and BT == 256 and gl.num_warps() == 4)
+    gl.static_assert(not EARLY_WEIGHTS or not GEMM1)
+    if not EARLY_WEIGHTS:
+        _wait_for_previous_kernel()
+    if GEMM1:
+        _launch_dependents()
+        _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                    tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
+                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SPLIT_REGS)
+    else:
+        _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
+                    num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
+                    NUM_STAGES, OUT_I64, W_UNIT, EARLY_WEIGHTS, SPLIT_REGS)
