@@ -5,7 +5,7 @@ Data flow, one module per stage: ``format`` (E2M1-K32) -> ``prepare`` (PreparedE
 top-k reduction (``_details``), behind the public entry ``fused_moe`` in ``moe`` (which calls the custom op
 ``torch.ops.mxmoe.fused_moe`` of ``op``) and the module ``MoEExperts`` in ``module``.
 """
-from ._details.launch import Workspace
+from .workspace import Workspace
 from .format import dequantize_mxfp4, load_gpt_oss_experts, quantize_mxfp4
 from .moe import fused_moe
 from .module import MoEExperts
@@ -13,6 +13,7 @@ from .prepare import PreparedExperts, prepare_weights, unprepare_weights
 from .reference import fused_moe_reference, relative_l2
 from .routing import RoutePack, local_expert_ids, route_pack
 from .selection import select_precision
+from .workspace import Workspace
 
 __version__ = "0.1.0"
 

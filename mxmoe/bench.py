@@ -47,7 +47,7 @@ from typing import Callable, Mapping, Optional, Sequence, TextIO
 import torch
 
 from . import check as checks, testing
-from ._details.launch import Workspace
+from .workspace import Workspace
 from .format import dequantize_mxfp4
 from .moe import fused_moe
 from .prepare import PreparedExperts

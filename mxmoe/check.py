@@ -494,9 +494,10 @@ def _emulated_gemm2_rows(a_q, a_scale, experts: PreparedExperts, topk_weights, l
 def _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map) -> torch.Tensor:
     """``launch.gemm1_rows`` (W4A8) into a workspace whose intermediate is NaN first: unwritten rows stay NaN."""
     from ._details import launch
+    from .workspace import workspace_for
 
     T, top_k = topk_ids.shape
-    ws = launch.workspace_for(experts, T, top_k, True)  # the workspace gemm1_rows takes
+    ws = workspace_for(experts, T, top_k, True)  # the workspace gemm1_rows takes
     inter = getattr(ws, "intermediate", None)
     if inter is not None:
         inter.fill_(0xFF)  # (uint8 bytes: FP32 NaN)
@@ -547,7 +548,7 @@ def gemm_level(x: torch.Tensor, experts: PreparedExperts, topk_weights: torch.Te
     g1 = relative_l2(2 * rows.double(), ref1)
     # GEMM2
     if kernels:
-        from ._details.launch import Workspace
+        from .workspace import Workspace
 
         ws = Workspace(experts, T, top_k, fp8=True)
         if not hasattr(ws, "routed_out"):

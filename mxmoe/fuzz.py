@@ -321,7 +321,7 @@ def run_one(case: FuzzCase, device: torch.device, precisions: Sequence[str]) -> 
         inp = build(case, device)
         workspace = None
         if case.workspace:
-            from ._details.launch import Workspace
+            from .workspace import Workspace
 
             workspace = Workspace(inp.experts, case.T, case.top_k, fp8="w4a8" in precisions)
         layer_modes = tuple(m for p in precisions for m in (("w4a16",) if p == "w4a16" else ("w4a8",))
@@ -388,7 +388,7 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
     into a planned workspace (bitwise the same output, checked) to read the intermediate's E4M3 codes and scales.
     Returns ``{"ok", "code_dev", "gemm2_token"}``: the largest code deviation in units of the allowed one (<= 1
     passes) and the largest per-token relative L2 of the output against float64 GEMM2 of the kernel's codes."""
-    from ._details.launch import Workspace
+    from .workspace import Workspace
     from .reference import apply_activation, decode_expert, quantize_rows_fp8
     from .routing import local_expert_ids
 

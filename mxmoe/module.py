@@ -52,7 +52,7 @@ class MoEExperts(torch.nn.Module):
         self.source_scale_dtypes = experts.source_scale_dtypes
         for name in _TENSORS:
             self.register_buffer(name, getattr(experts, name))
-        from ._details.launch import WorkspacePlan
+        from .workspace import WorkspacePlan
 
         self._plan = WorkspacePlan(max_tokens, top_k, precision)  # resolved by the op when it runs
         self._all_fold = experts.all_fold  # a host flag (computing it from the buffers would sync, and not trace)

@@ -115,7 +115,7 @@ def fused_moe(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if workspace is not None:
-        from ._details.launch import Workspace, WorkspacePlan
+        from .workspace import Workspace, WorkspacePlan
 
         if not isinstance(workspace, (Workspace, WorkspacePlan)):  # (a plan: MoEExperts's)
             raise TypeError(f"workspace must be a mxmoe.Workspace, got {type(workspace).__name__}")

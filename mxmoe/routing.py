@@ -12,8 +12,8 @@ only tiles holding a valid row are listed. Buffers have fixed capacities (see
 :func:`route_pack_capacity`) so the GPU pack needs no host synchronization.
 
 :func:`route_pack` is the PyTorch implementation (any device; stable order within an
-expert). The GPU kernels build the same pack except for the order of routes inside an
-expert's segment (slots are claimed with integer atomics), which changes no output bit:
+expert). :func:`device_route_pack` launches the kernels that build the same pack except for the order of routes
+inside an expert's segment (slots are claimed with integer atomics), which changes no output bit:
 each row's result depends only on its own data.
 """
 from __future__ import annotations
@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
 
 SENTINEL = -1
+ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
+ROUTE_SUBS = 16  # counters per expert of the multi-kernel route pack (routing_kernels.route_count_kernel)
 
 
 def local_expert_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -96,3 +99,46 @@ def route_pack(topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert
         tile_start=torch.where(listed, start, torch.zeros_like(start)).to(torch.int32),
         num_tiles=n_tiles.reshape(1).to(torch.int32),
     )
+
+
+def device_route_pack(workspace, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int,
+                      num_experts: int) -> RoutePack:
+    """The route pack of :func:`route_pack` built by the Triton kernels into ``workspace``'s buffers (no host sync,
+    capturable); returns views of them. Up to ``ROUTE_BLOCK`` routes one launch, else a fill, three kernels."""
+    from ._details.config import pdl_launch
+    from ._details.routing_kernels import (route_count_kernel, route_offsets_kernel, route_pack_small_kernel,
+                                           route_scatter_kernel)
+
+    self = workspace
+    R = topk_ids.numel()
+    max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
+    if max_rows > self.sorted_routes.numel() or max_tiles > self.tile_expert.numel():
+        raise ValueError(f"workspace: no room for a pack of {block_rows}-row tiles of {R} routes")
+    sorted_routes = self.sorted_routes[:max_rows]
+    n_global = num_experts if expert_map is None else expert_map.numel()
+    emap = expert_map if expert_map is not None else self.counts
+    e_block = triton.next_power_of_2(num_experts)
+    if R <= ROUTE_BLOCK:  # decode, small batches: one launch
+        # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
+        # 3.4 us (docs/perf-notes.md step 15)
+        block = max(16, triton.next_power_of_2(R))
+        route_pack_small_kernel[(1,)](topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert,
+                                      self.tile_start, self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
+                                      max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
+                                      BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4,
+                                      **pdl_launch(topk_ids.device))
+    else:
+        self.counts.zero_()
+        sorted_routes.fill_(-1)
+        grid = (triton.cdiv(R, ROUTE_BLOCK),)
+        route_count_kernel[grid](topk_ids, emap, self.counts, self.route_expert, self.route_rank, R, num_experts,
+                                 n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
+        route_offsets_kernel[(1,)](self.counts, self.expert_counts, self.offsets, self.sub_offsets,
+                                   self.tile_expert, self.tile_start, self.num_tiles, num_experts, max_tiles,
+                                   BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
+        route_scatter_kernel[grid](self.route_expert, self.route_rank, self.sub_offsets, self.route_slot,
+                                   sorted_routes, R, num_experts, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
+    return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
+                     expert_counts=self.expert_counts, segment_offsets=self.offsets,
+                     tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],
+                     num_tiles=self.num_tiles)

@@ -122,7 +122,8 @@ def test_all_routes_masked_gives_zeros():
 @pytest.mark.parametrize("tokens,mapped", [(5, False), (20, True), (40, False), (40, True), (400, False)])
 @pytest.mark.parametrize("subs", [1, 16])  # rank counters per expert (two count programs on one counter with 1)
 def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, monkeypatch):
-    from mxmoe._details.launch import ROUTE_BLOCK, Workspace
+    from mxmoe.routing import ROUTE_BLOCK, device_route_pack
+    from mxmoe.workspace import Workspace
 
     E, T, top_k = 7, tokens, 3
     assert (T * top_k <= ROUTE_BLOCK) == (tokens < 400)
@@ -141,7 +142,7 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, 
     ws.sub_offsets.fill_(4)
     ws.tile_expert.fill_(5)
     ws.tile_start.fill_(9)
-    pack = ws.route_pack(ids, emap, block_rows, E)
+    pack = device_route_pack(ws, ids, emap, block_rows, E)
     ref = mxmoe.route_pack(ids, E, block_rows, expert_map=emap)
     assert torch.equal(pack.expert_counts, ref.expert_counts)
     assert torch.equal(pack.segment_offsets, ref.segment_offsets)
@@ -164,14 +165,15 @@ def test_device_route_pack_of_wide_tiles(E, tokens):
     """The GPU pack kernels on 256-row tiles (W4A16 prefill above ``WIDE_FROM`` rows per expert) against the torch
     pack, in a workspace sized for them."""
     from mxmoe._details.config import WIDE_FROM, WIDE_ROWS
-    from mxmoe._details.launch import Workspace
+    from mxmoe.routing import device_route_pack
+    from mxmoe.workspace import Workspace
 
     top_k = 3
     assert tokens * top_k > WIDE_FROM * E  # the workspace makes room for the wide tiles
     ids = torch.randint(-1, E, (tokens, top_k), generator=torch.Generator().manual_seed(E), dtype=torch.int32)
     ids[: tokens // 2, 0] = 0  # a hot expert: several wide tiles
     ws = Workspace(experts(E, 64, 64), tokens, top_k)
-    pack = ws.route_pack(ids, None, WIDE_ROWS, E)
+    pack = device_route_pack(ws, ids, None, WIDE_ROWS, E)
     ref = mxmoe.route_pack(ids, E, WIDE_ROWS)
     for name in ("expert_counts", "segment_offsets", "num_tiles", "tile_expert", "tile_start"):
         assert torch.equal(getattr(pack, name), getattr(ref, name)), name
@@ -182,14 +184,15 @@ def test_workspace_refuses_a_pack_it_has_no_room_for():
     """A pack of taller tiles than the workspace was sized for (the wide tiles below ``WIDE_FROM`` rows per expert)
     is an error, not a write past the buffers."""
     from mxmoe._details.config import WIDE_ROWS
-    from mxmoe._details.launch import Workspace
+    from mxmoe.routing import device_route_pack
+    from mxmoe.workspace import Workspace
 
     E, T, top_k = 7, 40, 3
     ws = Workspace(experts(E, 64, 64), T, top_k)
     ids = torch.randint(0, E, (T, top_k), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-    ws.route_pack(ids, None, 128, E)
+    device_route_pack(ws, ids, None, 128, E)
     with pytest.raises(ValueError, match="no room"):
-        ws.route_pack(ids, None, WIDE_ROWS, E)
+        device_route_pack(ws, ids, None, WIDE_ROWS, E)
 
 
 def test_row_quantizer_matches_reference():

@@ -179,13 +179,14 @@ def test_direct_routes(tokens, top_k, E, fp8, kernel, direct):
     """Which calls run without a route pack (``launch.direct_routes``)."""
     from mxmoe._details import launch
     from mxmoe._details.config import gemm_config, overrides
+    from mxmoe.routing import route_pack_capacity
 
     R = tokens * top_k
     cfg1 = gemm_config(R, E, 1024, 4096, fp8, kernel=kernel, gemm1=True)
     cfg2 = gemm_config(R, E, 4096, 1024, fp8, kernel=kernel, gemm1=False)
     assert launch.direct_routes(tokens, R, E, fp8, cfg1, cfg2) is direct
     if direct:  # the workspace's intermediate holds a tile per route
-        assert launch.route_pack_capacity(R, E, cfg1.block_rows)[0] >= R * cfg1.block_rows
+        assert route_pack_capacity(R, E, cfg1.block_rows)[0] >= R * cfg1.block_rows
     with overrides(direct_decode=False):
         assert not launch.direct_routes(tokens, R, E, fp8, cfg1, cfg2)
 

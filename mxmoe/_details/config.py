@@ -138,6 +138,19 @@ def overrides(*, gemm: Optional[Mapping] = None, **changes):
         _OVERRIDES.reset(token)
 
 
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(device: torch.device, kernel_arg: bool = True) -> dict:
+    """Launch options for programmatic dependent launch (Hopper): the kernel may start while the previous one
+    in the stream finishes, and waits for it with ``griddepcontrol.wait`` before touching memory."""
+    if not current_overrides().pdl or interpreting() or not _has_pdl(device):
+        return {}
+    return dict(launch_pdl=True, **({"PDL": True} if kernel_arg else {}))
+
+
 # ------------------------------------------------------------------------------------------------ kernel choice
 
 

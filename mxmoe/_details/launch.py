@@ -1,4 +1,4 @@
-"""Launch plan of the Triton path: workspace, tile configs, the kernel sequence.
+"""The launch sequence of the Triton path (configs from ``config``, scratch from ``mxmoe.workspace``).
 
 Run path (no allocation once the workspace exists, no host sync, capturable):
 route pack (one kernel up to 1024 routes, else 2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 +
@@ -15,191 +15,14 @@ from typing import Optional
 import torch
 import triton
 
-from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
 from ..prepare import PreparedExperts, row_block_unit
-from ..routing import RoutePack, route_pack_capacity
-from ..selection import fp8_min_rows
+from ..routing import device_route_pack, route_pack_capacity
+from ..workspace import Workspace, workspace_for
+from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
+from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, current_overrides, gemm_config, gluon_kernel,
+                     kernel_choice, pdl_launch, small_kernel_constexprs, unfolded_config)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
-from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, current_overrides, gemm_config, gluon_kernel,
-                     kernel_choice, pack_tile_heights, small_kernel_constexprs, unfolded_config)
-from .routing_kernels import route_count_kernel, route_offsets_kernel, route_pack_small_kernel, route_scatter_kernel
-
-ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
-ROUTE_SUBS = 16  # counters per expert of the multi-kernel route pack (routing_kernels.route_count_kernel)
-
-class Workspace:
-    """Device scratch for :func:`mxmoe.fused_moe`, sized once from (max tokens, top_k, E, H, I).
-
-    Create it before CUDA-graph capture and pass it as ``workspace=``; calls with more
-    tokens or a larger top_k than it was sized for raise ``ValueError``. ``fp8``: room for the W4A8 path (its
-    quantized rows); default where ``precision="auto"`` can take W4A8 (``MXMOE_FP8_PREFILL_MIN_ROWS`` > 0 now).
-    Pass ``fp8=True`` to call it with ``precision="w4a8"``.
-    """
-
-    def __init__(self, experts: PreparedExperts, max_tokens: int, top_k: int, *, fp8: Optional[bool] = None,
-                 device=None):
-        if max_tokens < 1 or top_k < 1:
-            raise ValueError("max_tokens and top_k must be >= 1")
-        if fp8 is None:  # W4A8 scratch where ``auto`` can take W4A8 (the threshold set now)
-            fp8 = fp8_min_rows() > 0
-        from ..op import register_workspace
-
-        self.handle = register_workspace(self)  # what stands for it in the custom op's arguments
-        device = torch.device(device) if device is not None else experts.device
-        E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-        R = max_tokens * top_k
-        caps = [route_pack_capacity(R, E, bt) for bt in pack_tile_heights(R, E)]
-        max_rows = max(c[0] for c in caps)
-        max_tiles = max(c[1] for c in caps)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.max_tokens, self.top_k, self.fp8 = max_tokens, top_k, fp8
-        self.shape = (E, H, I)
-        self.route_subs = ROUTE_SUBS
-        self.counts = torch.zeros(ROUTE_SUBS * E, **i32)  # the pack's rank counters, [route_subs, E]
-        self.expert_counts = torch.empty(E, **i32)
-        self.sub_offsets = torch.empty(ROUTE_SUBS * E, **i32)
-        self.route_expert = torch.empty(R, **i32)
-        self.route_rank = torch.empty(R, **i32)
-        self.route_slot = torch.empty(R, **i32)
-        self.sorted_routes = torch.empty(max_rows, **i32)
-        self.offsets = torch.empty(E + 1, **i32)
-        self.tile_expert = torch.empty(max_tiles, **i32)
-        self.tile_start = torch.empty(max_tiles, **i32)
-        self.num_tiles = torch.empty(1, **i32)
-        # W4A16 keeps the intermediate in BF16; W4A8 in FP32 until its per-row requantization
-        self.intermediate = torch.empty(max_rows * I * (4 if fp8 else 2), dtype=torch.uint8, device=device)
-        self.routed_out = torch.empty(R, H, dtype=torch.bfloat16, device=device)
-        # arrivals per (token, GEMM2 column block) of the top-k sum inside GEMM2 (DIRECT_SUM); the last program
-        # resets its counter, so they are zero between calls
-        self.sum_counters = torch.zeros(DIRECT_MAX_TOKENS * (H // 64), **i32)
-        # GEMM1's K halves (k_parts): FP32 sums of each (route, column block, half, gate/up) and arrivals per (route,
-        # column block), zero between calls
-        direct_tiles = DIRECT_MAX_TOKENS * top_k * (I // 64)
-        self.part_sums = torch.empty(direct_tiles * 4 * 64, dtype=torch.float32, device=device)
-        self.part_counters = torch.zeros(direct_tiles, **i32)
-        if fp8:
-            self.x_q = torch.empty(max_tokens, H, dtype=torch.float8_e4m3fn, device=device)
-            self.x_scale = torch.empty(max_tokens, dtype=torch.float32, device=device)
-            self.inter_q = torch.empty(max_rows, I, dtype=torch.float8_e4m3fn, device=device)
-            self.inter_scale = torch.empty(max_rows, dtype=torch.float32, device=device)
-
-    def shortfalls(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> list[str]:
-        """What this workspace lacks for a call (an empty list where it fits), one phrase each."""
-        shape = (experts.num_experts, experts.hidden_size, experts.intermediate_size)
-        wrong = []
-        if self.shape != shape:
-            wrong.append("it was sized for experts of (E, H, I) = %s, these are %s" % (self.shape, shape))
-        if self.counts.device != experts.device:
-            wrong.append(f"it is on {self.counts.device}, the experts on {experts.device}")
-        if tokens > self.max_tokens:
-            wrong.append(f"it holds {self.max_tokens} tokens, this call has {tokens}")
-        if top_k > self.top_k:
-            wrong.append(f"it holds top_k {self.top_k}, this call has top_k {top_k}")
-        if fp8 and not self.fp8:
-            wrong.append("this call runs W4A8 and it has no W4A8 scratch (create it with fp8=True)")
-        return wrong
-
-    def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> "Workspace":
-        """This workspace, checked for the call (the op resolves a handle this way, a plan's too)."""
-        self.check(experts, tokens, top_k, fp8)
-        return self
-
-    def fits(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> bool:
-        return not self.shortfalls(experts, tokens, top_k, fp8)
-
-    def check(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> None:
-        """Raise ``ValueError`` naming what this workspace lacks for the call, if anything."""
-        wrong = self.shortfalls(experts, tokens, top_k, fp8)
-        if wrong:
-            raise ValueError("workspace does not fit this call: " + "; ".join(wrong))
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.__dict__.values() if isinstance(t, torch.Tensor))
-
-    def route_pack(self, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int, num_experts: int) -> RoutePack:
-        """Launch the route-pack kernels into this workspace; returns views of the pack."""
-        R = topk_ids.numel()
-        max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
-        if max_rows > self.sorted_routes.numel() or max_tiles > self.tile_expert.numel():
-            raise ValueError(f"workspace: no room for a pack of {block_rows}-row tiles of {R} routes")
-        sorted_routes = self.sorted_routes[:max_rows]
-        n_global = num_experts if expert_map is None else expert_map.numel()
-        emap = expert_map if expert_map is not None else self.counts
-        e_block = triton.next_power_of_2(num_experts)
-        if R <= ROUTE_BLOCK:  # decode, small batches: one launch
-            # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
-            # 3.4 us (docs/perf-notes.md step 15)
-            block = max(16, triton.next_power_of_2(R))
-            route_pack_small_kernel[(1,)](topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert,
-                                          self.tile_start, self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
-                                          max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
-                                          BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4,
-                                          **_pdl(topk_ids.device))
-        else:
-            self.counts.zero_()
-            sorted_routes.fill_(-1)
-            grid = (triton.cdiv(R, ROUTE_BLOCK),)
-            route_count_kernel[grid](topk_ids, emap, self.counts, self.route_expert, self.route_rank, R, num_experts,
-                                     n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
-            route_offsets_kernel[(1,)](self.counts, self.expert_counts, self.offsets, self.sub_offsets,
-                                       self.tile_expert, self.tile_start, self.num_tiles, num_experts, max_tiles,
-                                       BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
-            route_scatter_kernel[grid](self.route_expert, self.route_rank, self.sub_offsets, self.route_slot,
-                                       sorted_routes, R, num_experts, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
-        return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
-                         expert_counts=self.expert_counts, segment_offsets=self.offsets,
-                         tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],
-                         num_tiles=self.num_tiles)
-
-
-class WorkspacePlan:
-    """Workspaces planned per device and expert shape, made (outside CUDA-graph capture) when a call first needs
-    one and grown to the largest call seen; at least ``max_tokens`` x ``top_k``, with W4A8 scratch ahead of need for
-    ``precision="w4a8"`` or ``"auto"`` with the threshold set. The op resolves a plan's handle when it runs, so a
-    compiled graph plans at run time too. The module's plan and the library's default (no ``workspace=``)."""
-
-    def __init__(self, max_tokens: int = 0, top_k: int = 0, precision: Optional[str] = None):
-        from ..op import register_workspace
-
-        self.max_tokens, self.top_k, self.precision = max_tokens or 0, top_k or 0, precision
-        self.workspaces: dict = {}
-        self.handle = register_workspace(self)
-
-    def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
-        key = (experts.device, experts.num_experts, experts.hidden_size, experts.intermediate_size)
-        ws = self.workspaces.get(key)
-        if ws is not None and ws.fits(experts, tokens, top_k, fp8):
-            return ws
-        if experts.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError("workspace: no workspace large enough for this call during CUDA-graph capture; pass "
-                             "workspace=mxmoe.Workspace(experts, max_tokens, top_k) or make the same call eagerly first")
-        ahead = self.precision == "w4a8" or (self.precision == "auto" and fp8_min_rows() > 0)
-        ws = Workspace(experts, max(tokens, self.max_tokens, ws.max_tokens if ws else 0),
-                       max(top_k, self.top_k, ws.top_k if ws else 0), fp8=fp8 or ahead or bool(ws and ws.fp8))
-        self.workspaces[key] = ws
-        return ws
-
-
-_DEFAULT_PLAN = WorkspacePlan()
-
-
-def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
-    """The library's cached workspace for a call without ``workspace=`` (:class:`WorkspacePlan`)."""
-    return _DEFAULT_PLAN.for_call(experts, tokens, top_k, fp8)
-
-
-@functools.cache
-def _has_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _pdl(device: torch.device, kernel_arg: bool = True) -> dict:
-    """Launch options for programmatic dependent launch (Hopper): the kernel may start while the previous one
-    in the stream finishes, and waits for it with ``griddepcontrol.wait`` before touching memory."""
-    if not current_overrides().pdl or interpreting() or not _has_pdl(device):
-        return {}
-    return dict(launch_pdl=True, **({"PDL": True} if kernel_arg else {}))
 
 
 @functools.cache
@@ -271,7 +94,7 @@ def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         if cfg.kernel == "gluon":
             meta.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         else:
-            pdl = _pdl(out.device, kernel_arg=False)
+            pdl = pdl_launch(out.device, kernel_arg=False)
             meta.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
             if not cfg.wide:
                 meta.update(_small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg, direct, fold, fold_path))
@@ -398,7 +221,7 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
         pack, max_rows = None, R * cfg1.block_rows
     else:
         cfg1 = replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
-        pack = workspace.route_pack(topk_ids, expert_map, cfg1.block_rows * cfg1.sub_tiles, E)
+        pack = device_route_pack(workspace, topk_ids, expert_map, cfg1.block_rows * cfg1.sub_tiles, E)
         max_rows = pack.sorted_routes.numel()
     swigluoai = activation == "swigluoai"
     common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8,
@@ -431,5 +254,5 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
     # without a pack GEMM2 wrote every route's row (zeros for masked ones): no slot list to check
     topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot if pack else routed, out, H, top_k,
                                                   BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None,
-                                                  num_warps=4, **_pdl(x.device))
+                                                  num_warps=4, **pdl_launch(x.device))
     return out

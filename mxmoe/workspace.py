@@ -1,0 +1,140 @@
+"""``Workspace``: the device scratch of a call (route pack, intermediate, routed rows, W4A8's quantized rows), and
+``WorkspacePlan``: workspaces made and grown on demand (the module's, and the library's default for calls without
+``workspace=``). Buffers only: the route pack launches from :mod:`mxmoe.routing`, the GEMMs from ``_details.launch``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._details.config import DIRECT_MAX_TOKENS, pack_tile_heights
+from .prepare import PreparedExperts
+from .routing import ROUTE_SUBS, route_pack_capacity
+from .selection import fp8_min_rows
+
+
+class Workspace:
+    """Device scratch for :func:`mxmoe.fused_moe`, sized once from (max tokens, top_k, E, H, I).
+
+    Create it before CUDA-graph capture and pass it as ``workspace=``; calls with more
+    tokens or a larger top_k than it was sized for raise ``ValueError``. ``fp8``: room for the W4A8 path (its
+    quantized rows); default where ``precision="auto"`` can take W4A8 (``MXMOE_FP8_PREFILL_MIN_ROWS`` > 0 now).
+    Pass ``fp8=True`` to call it with ``precision="w4a8"``.
+    """
+
+    def __init__(self, experts: PreparedExperts, max_tokens: int, top_k: int, *, fp8: Optional[bool] = None,
+                 device=None):
+        if max_tokens < 1 or top_k < 1:
+            raise ValueError("max_tokens and top_k must be >= 1")
+        if fp8 is None:  # W4A8 scratch where ``auto`` can take W4A8 (the threshold set now)
+            fp8 = fp8_min_rows() > 0
+        from .op import register_workspace
+
+        self.handle = register_workspace(self)  # what stands for it in the custom op's arguments
+        device = torch.device(device) if device is not None else experts.device
+        E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        R = max_tokens * top_k
+        caps = [route_pack_capacity(R, E, bt) for bt in pack_tile_heights(R, E)]
+        max_rows = max(c[0] for c in caps)
+        max_tiles = max(c[1] for c in caps)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.max_tokens, self.top_k, self.fp8 = max_tokens, top_k, fp8
+        self.shape = (E, H, I)
+        self.route_subs = ROUTE_SUBS
+        self.counts = torch.zeros(ROUTE_SUBS * E, **i32)  # the pack's rank counters, [route_subs, E]
+        self.expert_counts = torch.empty(E, **i32)
+        self.sub_offsets = torch.empty(ROUTE_SUBS * E, **i32)
+        self.route_expert = torch.empty(R, **i32)
+        self.route_rank = torch.empty(R, **i32)
+        self.route_slot = torch.empty(R, **i32)
+        self.sorted_routes = torch.empty(max_rows, **i32)
+        self.offsets = torch.empty(E + 1, **i32)
+        self.tile_expert = torch.empty(max_tiles, **i32)
+        self.tile_start = torch.empty(max_tiles, **i32)
+        self.num_tiles = torch.empty(1, **i32)
+        # W4A16 keeps the intermediate in BF16; W4A8 in FP32 until its per-row requantization
+        self.intermediate = torch.empty(max_rows * I * (4 if fp8 else 2), dtype=torch.uint8, device=device)
+        self.routed_out = torch.empty(R, H, dtype=torch.bfloat16, device=device)
+        # arrivals per (token, GEMM2 column block) of the top-k sum inside GEMM2 (DIRECT_SUM); the last program
+        # resets its counter, so they are zero between calls
+        self.sum_counters = torch.zeros(DIRECT_MAX_TOKENS * (H // 64), **i32)
+        # GEMM1's K halves (k_parts): FP32 sums of each (route, column block, half, gate/up) and arrivals per (route,
+        # column block), zero between calls
+        direct_tiles = DIRECT_MAX_TOKENS * top_k * (I // 64)
+        self.part_sums = torch.empty(direct_tiles * 4 * 64, dtype=torch.float32, device=device)
+        self.part_counters = torch.zeros(direct_tiles, **i32)
+        if fp8:
+            self.x_q = torch.empty(max_tokens, H, dtype=torch.float8_e4m3fn, device=device)
+            self.x_scale = torch.empty(max_tokens, dtype=torch.float32, device=device)
+            self.inter_q = torch.empty(max_rows, I, dtype=torch.float8_e4m3fn, device=device)
+            self.inter_scale = torch.empty(max_rows, dtype=torch.float32, device=device)
+
+    def shortfalls(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> list[str]:
+        """What this workspace lacks for a call (an empty list where it fits), one phrase each."""
+        shape = (experts.num_experts, experts.hidden_size, experts.intermediate_size)
+        wrong = []
+        if self.shape != shape:
+            wrong.append("it was sized for experts of (E, H, I) = %s, these are %s" % (self.shape, shape))
+        if self.counts.device != experts.device:
+            wrong.append(f"it is on {self.counts.device}, the experts on {experts.device}")
+        if tokens > self.max_tokens:
+            wrong.append(f"it holds {self.max_tokens} tokens, this call has {tokens}")
+        if top_k > self.top_k:
+            wrong.append(f"it holds top_k {self.top_k}, this call has top_k {top_k}")
+        if fp8 and not self.fp8:
+            wrong.append("this call runs W4A8 and it has no W4A8 scratch (create it with fp8=True)")
+        return wrong
+
+    def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> "Workspace":
+        """This workspace, checked for the call (the op resolves a handle this way, a plan's too)."""
+        self.check(experts, tokens, top_k, fp8)
+        return self
+
+    def fits(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> bool:
+        return not self.shortfalls(experts, tokens, top_k, fp8)
+
+    def check(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> None:
+        """Raise ``ValueError`` naming what this workspace lacks for the call, if anything."""
+        wrong = self.shortfalls(experts, tokens, top_k, fp8)
+        if wrong:
+            raise ValueError("workspace does not fit this call: " + "; ".join(wrong))
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.__dict__.values() if isinstance(t, torch.Tensor))
+
+
+class WorkspacePlan:
+    """Workspaces planned per device and expert shape, made (outside CUDA-graph capture) when a call first needs
+    one and grown to the largest call seen; at least ``max_tokens`` x ``top_k``, with W4A8 scratch ahead of need for
+    ``precision="w4a8"`` or ``"auto"`` with the threshold set. The op resolves a plan's handle when it runs, so a
+    compiled graph plans at run time too. The module's plan and the library's default (no ``workspace=``)."""
+
+    def __init__(self, max_tokens: int = 0, top_k: int = 0, precision: Optional[str] = None):
+        from .op import register_workspace
+
+        self.max_tokens, self.top_k, self.precision = max_tokens or 0, top_k or 0, precision
+        self.workspaces: dict = {}
+        self.handle = register_workspace(self)
+
+    def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
+        key = (experts.device, experts.num_experts, experts.hidden_size, experts.intermediate_size)
+        ws = self.workspaces.get(key)
+        if ws is not None and ws.fits(experts, tokens, top_k, fp8):
+            return ws
+        if experts.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError("workspace: no workspace large enough for this call during CUDA-graph capture; pass "
+                             "workspace=mxmoe.Workspace(experts, max_tokens, top_k) or make the same call eagerly first")
+        ahead = self.precision == "w4a8" or (self.precision == "auto" and fp8_min_rows() > 0)
+        ws = Workspace(experts, max(tokens, self.max_tokens, ws.max_tokens if ws else 0),
+                       max(top_k, self.top_k, ws.top_k if ws else 0), fp8=fp8 or ahead or bool(ws and ws.fp8))
+        self.workspaces[key] = ws
+        return ws
+
+
+_DEFAULT_PLAN = WorkspacePlan()
+
+
+def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
+    """The library's cached workspace for a call without ``workspace=`` (:class:`WorkspacePlan`)."""
+    return _DEFAULT_PLAN.for_call(experts, tokens, top_k, fp8)
