@@ -1,11 +1,10 @@
 """mxmoe: fused MXFP4 (E2M1-K32) Mixture-of-Experts kernels for Hopper.
 
 Data flow, one module per stage: ``format`` (E2M1-K32) -> ``prepare`` (PreparedExperts)
--> ``routing`` (route pack) -> ``quantize`` (FP8 rows) -> GEMM1 + activation -> GEMM2 +
-top-k reduction (``_details``), behind the public entry ``fused_moe`` in ``moe`` (which calls the custom op
+-> ``routing`` (route pack) -> FP8 rows, GEMM1 + activation, GEMM2, top-k sum (the kernels in ``_details``, in a
+``workspace``), behind the public entry ``fused_moe`` in ``moe`` (which calls the custom op
 ``torch.ops.mxmoe.fused_moe`` of ``op``) and the module ``MoEExperts`` in ``module``.
 """
-from .workspace import Workspace
 from .format import dequantize_mxfp4, load_gpt_oss_experts, quantize_mxfp4
 from .moe import fused_moe
 from .module import MoEExperts

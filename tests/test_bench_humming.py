@@ -7,6 +7,7 @@ entries past the output rows and blocks past ``num_tokens_padded`` are skipped).
 where it is not importable, those of its kernels where there is no GPU.
 """
 import dataclasses
+import importlib.util
 import inspect
 import re
 import sys
@@ -43,7 +44,7 @@ def test_align_routes_matches_a_loop(num_experts, routes, block):
     gen = torch.Generator().manual_seed(routes * 100 + block)
     ids = torch.randint(0, num_experts, (routes,), generator=gen)
     ids[0] = num_experts - 1  # the last expert's block is in use
-    sorted_ids, expert_ids, used = bench._align_routes(ids, num_experts, block)
+    sorted_ids, expert_ids, used = bench.arms._align_routes(ids, num_experts, block)
     want_sorted, want_experts, want_used = _aligned_by_loop(ids.tolist(), num_experts, block)
     assert used.tolist() == [want_used]
     assert sorted_ids[:want_used].tolist() == want_sorted
@@ -74,7 +75,7 @@ def test_humming_tensors_are_the_source_bytes_gate_rows_first(layout):
         w13_q = torch.stack((gate_q, up_q), 2).reshape(E, 2 * I, H // 2)
         w13_s = torch.stack((gate_s, up_s), 2).reshape(E, 2 * I, H // 32)
     experts = mxmoe.prepare_weights(w13_q, w13_s.view(torch.float8_e8m0fnu), w2_q, w2_s, w13_layout=layout)
-    (t13, n13, k13), (t2, n2, k2) = bench.humming_mxfp4_tensors(experts)
+    (t13, n13, k13), (t2, n2, k2) = bench.arms.humming_mxfp4_tensors(experts)
     assert (n13, k13, n2, k2) == (2 * I, H, H, I)
     # Humming's mxfp4 schema (humming/schema/mxfp4.py): uint8 [E, N, K/2] and [E, N, K/32], the bytes as given
     for t, n, k in ((t13, n13, k13), (t2, n2, k2)):
@@ -214,7 +215,7 @@ def test_humming_arm_glue_matches_reference(fake_humming, arm_cls, mode, tol, bl
 
 
 def test_humming_arms_say_when_humming_is_missing(monkeypatch):
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     for arm in (bench.HummingArm(), bench.HummingW4A8Arm()):
         assert arm.unavailable().startswith("not installed: humming")
     assert {"humming", "humming-w4a8"} <= set(bench.ARM_NAMES)

@@ -245,17 +245,17 @@ def test_floor_arithmetic_matches_spec():
 
 def test_group_by_expert_pads_groups():
     ids = torch.tensor([3, 0, 3, 1, 3, 0])
-    order, dest, ends = bench._group_by_expert(ids, 4, align=4, capacity=6 + 4 * 3)
+    order, dest, ends = bench.arms._group_by_expert(ids, 4, align=4, capacity=6 + 4 * 3)
     assert ends.tolist() == [4, 8, 8, 12]
     assert ids[order].tolist() == [0, 0, 1, 3, 3, 3]
     assert dest.tolist() == [0, 1, 4, 8, 9, 10]
-    order1, dest1, ends1 = bench._group_by_expert(ids, 4, align=1, capacity=6)
+    order1, dest1, ends1 = bench.arms._group_by_expert(ids, 4, align=1, capacity=6)
     assert dest1.tolist() == list(range(6)) and ends1.tolist() == [2, 3, 3, 6]
 
 
 def test_align_routes_for_indexed_peers():
     ids = torch.tensor([3, 0, 3, 1, 3, 0])  # 6 routes, 4 experts, blocks of 2 rows
-    sorted_ids, expert_ids, used = bench._align_routes(ids, 4, 2)  # room for 6 + 4 * 1
+    sorted_ids, expert_ids, used = bench.arms._align_routes(ids, 4, 2)  # room for 6 + 4 * 1
     # expert 0: routes 1, 5; expert 1: route 3 + one pad; expert 2: nothing; expert 3: 0, 2, 4 + one pad
     assert sorted_ids.tolist() == [1, 5, 3, 6, 0, 2, 4, 6, 6, 6]
     assert used.tolist() == [8]
