@@ -20,7 +20,7 @@ What a case draws (:func:`draw_case`):
 * eager calls with or without a planned ``Workspace``; W4A16 also as a CUDA-graph replay (bitwise equal to eager);
   a second run (bitwise equal); a token poisoned with Inf/NaN in ``x`` or in a routing weight (every other token's
   output bitwise unchanged: the README's rule for non-finite inputs); W4A8 GEMM-level cases (each GEMM vs float64,
-  :func:`mxmoe.check.gemm_level`).
+  :func:`mxmoe.accuracy.gemm_level`).
 
 Bounds (relative L2, SPEC §5, whole output and per token): see :data:`BOUNDS`.
 """
@@ -36,7 +36,7 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 
-from . import check, testing
+from . import accuracy, check, testing
 from ._details import interpreting
 from .moe import fused_moe
 from .prepare import prepare_weights
@@ -172,8 +172,8 @@ def draw_case(seed: int, index: int, small: bool) -> FuzzCase:
     )
     if case.scales == "offset":
         case = replace(case, shift13=rng.randint(-100, 100), shift2=rng.randint(-100, 100))
-    if gemm:  # the GEMM-level activation (check.gemm_level), for both paths' layer runs too
-        case = replace(case, activation="swigluoai", swiglu_limit=check.GEMM_LEVEL_LIMIT)
+    if gemm:  # the GEMM-level activation (accuracy.gemm_level), for both paths' layer runs too
+        case = replace(case, activation="swigluoai", swiglu_limit=accuracy.GEMM_LEVEL_LIMIT)
     return case
 
 
@@ -187,7 +187,7 @@ def _experts(case: FuzzCase, device: torch.device, gen: torch.Generator):
     src, x_exp = testing.source_tensors(case.E, case.H, case.I, gen, pattern, case.biases, case.global_scales, 2.0,
                                       gen.device)
     if case.gemm_level:
-        src["w13"][:, case.I:] = 0  # gate_up rows: the up half (check.gemm_level)
+        src["w13"][:, case.I:] = 0  # gate_up rows: the up half (accuracy.gemm_level)
     if case.scales == "every_byte":
         testing.every_byte_scales(src["w13"], src["w13_scale"], gen)
         testing.every_byte_scales(src["w2"], src["w2_scale"], gen)
@@ -253,7 +253,7 @@ class FuzzResult:
 def _call(inp: Inputs, case: FuzzCase, precision: str, workspace, out=None):
     out = torch.full_like(inp.x, math.nan) if out is None else out
     got, ran = fused_moe(*inp.args(), activation=case.activation, swiglu_limit=case.swiglu_limit,
-                         swiglu_alpha=check.GEMM_LEVEL_ALPHA if case.gemm_level else None, expert_map=inp.expert_map,
+                         swiglu_alpha=accuracy.GEMM_LEVEL_ALPHA if case.gemm_level else None, expert_map=inp.expert_map,
                          precision=precision, out=out, workspace=workspace, return_precision=True)
     return got, ran, out
 
@@ -291,23 +291,23 @@ def _poisoned(inp: Inputs, case: FuzzCase, rng: random.Random) -> tuple[Inputs, 
 def _bitwise_equal_except(a: torch.Tensor, b: torch.Tensor, row: int) -> bool:
     keep = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
     keep[row] = False
-    return check._bitwise_equal(a[keep], b[keep])
+    return accuracy.bitwise_equal(a[keep], b[keep])
 
 
 def _layer(res: FuzzResult, inp: Inputs, refs: dict, workspace, device) -> torch.Tensor:
     case, prec = res.case, res.precision
     got, ran, out = _call(inp, case, prec, workspace)
-    check._sync(device)
+    accuracy.synchronize(device)
     res.checks.update(check.call_checks(out, got, ran, prec, inp.masked_rows, prec))
     if prec == "w4a16":
-        res.checks["w4a16:zero_where_exact_zero"] = check.zero_where_ref_zero(out, refs["exact"])
+        res.checks["w4a16:zero_where_exact_zero"] = accuracy.zero_where_ref_zero(out, refs["exact"])
         res.metrics["w4a16_vs_emulation"] = relative_l2(out, refs["w4a16"])
         res.metrics["w4a16_vs_exact"] = relative_l2(out, refs["exact"])
         res.metrics["w4a16_excess_over_emulation"] = res.metrics["w4a16_vs_exact"] - relative_l2(refs["w4a16"],
                                                                                                 refs["exact"])
-        res.metrics["w4a16_worst_token"] = check.worst_token_relative_l2(out, refs["w4a16"])
+        res.metrics["w4a16_worst_token"] = accuracy.worst_token_relative_l2(out, refs["w4a16"])
     else:
-        m = check.w4a8_layer_metrics(out, refs["w4a8"], refs["exact"])
+        m = accuracy.w4a8_layer_metrics(out, refs["w4a8"], refs["exact"])
         res.checks["w4a8:zero_where_exact_zero"] = m.pop("zero_where_exact_zero")
         res.metrics["worst_token"] = m.pop("worst_token")
         res.metrics.update(m)
@@ -327,7 +327,7 @@ def run_one(case: FuzzCase, device: torch.device, precisions: Sequence[str]) -> 
         layer_modes = tuple(m for p in precisions for m in (("w4a16",) if p == "w4a16" else ("w4a8",))
                             if not (p == "w4a8" and case.gemm_level))
         refs = fused_moe_references(*inp.args(), activation=case.activation, swiglu_limit=case.swiglu_limit,
-                                    swiglu_alpha=check.GEMM_LEVEL_ALPHA if case.gemm_level else None,
+                                    swiglu_alpha=accuracy.GEMM_LEVEL_ALPHA if case.gemm_level else None,
                                     expert_map=inp.expert_map, modes=("exact",) + layer_modes)
     except Exception as exc:
         for r in results:
@@ -345,7 +345,7 @@ def run_one(case: FuzzCase, device: torch.device, precisions: Sequence[str]) -> 
 def _run_precision(res: FuzzResult, inp: Inputs, refs: dict, workspace, device, rng: random.Random) -> None:
     case, prec = res.case, res.precision
     if prec == "w4a8" and case.gemm_level:
-        metrics, checks = check.gemm_level(*inp.args(), inp.expert_map)
+        metrics, checks = accuracy.gemm_level(*inp.args(), inp.expert_map)
         res.metrics.update(metrics)
         res.checks.update({f"gemm:{c}": ok for c, ok in checks.items()})
         return
@@ -358,21 +358,21 @@ def _run_precision(res: FuzzResult, inp: Inputs, refs: dict, workspace, device, 
             res.explained["w4a8_worst_token_excess"] = why
     if case.repeat:
         again = _call(inp, case, prec, workspace)[2]
-        check._sync(device)
-        res.checks[f"{prec}:deterministic"] = check._bitwise_equal(out, again)
+        accuracy.synchronize(device)
+        res.checks[f"{prec}:deterministic"] = accuracy.bitwise_equal(out, again)
     if case.graph and prec == "w4a16" and device.type == "cuda":
-        res.checks["w4a16:graph_replay_bitwise"] = check._bitwise_equal(out, _graph_replay(inp, case, workspace))
+        res.checks["w4a16:graph_replay_bitwise"] = accuracy.bitwise_equal(out, _graph_replay(inp, case, workspace))
     if case.poison:
         bad, token = _poisoned(inp, case, rng)
         poisoned = _call(bad, case, prec, workspace)[2]
-        check._sync(device)
+        accuracy.synchronize(device)
         res.checks[f"{prec}:poison_{case.poison}_isolated"] = _bitwise_equal_except(out, poisoned, token)
 
 
 def tokens_over_excess(out: torch.Tensor, emu: torch.Tensor, exact: torch.Tensor, bound: float) -> list[int]:
     """The tokens whose per-token excess over the emulation's error passes ``bound``, worst first."""
-    e_out, nonzero = check.per_token_relative_l2(out, exact)
-    e_emu, _ = check.per_token_relative_l2(emu, exact)
+    e_out, nonzero = accuracy.per_token_relative_l2(out, exact)
+    e_emu, _ = accuracy.per_token_relative_l2(emu, exact)
     excess = torch.where(nonzero, e_out - e_emu, torch.full_like(e_out, -math.inf))
     order = torch.argsort(excess, descending=True)
     return [int(t) for t in order.tolist() if excess[t] > bound]
@@ -395,8 +395,8 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
     ex = inp.experts
     ws = Workspace(ex, case.T, case.top_k, fp8=True)
     again = _call(inp, case, "w4a8", ws)[2]
-    check._sync(out.device)
-    if not check._bitwise_equal(again, out):
+    accuracy.synchronize(out.device)
+    if not accuracy.bitwise_equal(again, out):
         return dict(ok=False, code_dev=math.inf, gemm2_token=math.inf)
     k = case.top_k
     local = local_expert_ids(inp.topk_ids, ex.num_experts, inp.expert_map).reshape(-1).long()
@@ -416,7 +416,7 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
             if ex.b13 is not None:
                 h = h + ex.b13[e].double()
             a = apply_activation(h, case.activation, case.swiglu_limit).double()
-            codes = check.from_slot_order(ws.inter_q.view(torch.uint8)[slot[r]][None].contiguous())
+            codes = accuracy.from_slot_order(ws.inter_q.view(torch.uint8)[slot[r]][None].contiguous())
             codes = codes.view(torch.float8_e4m3fn)[0].float().double()
             scale = ws.inter_scale[slot[r]].double()
             target = a / scale if scale > 0 else torch.zeros_like(a)

@@ -2,7 +2,7 @@
 
     python3 scripts/w4a8_fold.py [acc] [layer] [time] [ab=<dir of a base mxmoe>]   (default: all three)
 
-``acc``: each GEMM's FP32 output against float64 of the same E4M3 operands (SPEC §5: <= 1.5e-3; ``check.gemm_level``)
+``acc``: each GEMM's FP32 output against float64 of the same E4M3 operands (SPEC §5: <= 1.5e-3; ``accuracy.gemm_level``)
 on the three SPEC shapes at several T (so every route-tile height), with the default FP8 chain length or
 ``promote=<steps,...>`` (``d``: the default). (Step 31's bias figures came from this script's form in commit c8d73fc.) ``layer``: the whole call against the exact FP32
 reference and the FP8 emulation, whole and per token (SPEC §5 bounds), Gaussian and Student-t (3) weights, wide scale
@@ -20,7 +20,7 @@ import torch
 
 import mxmoe
 from _experts import kernel_times, variant
-from mxmoe import check, reference, testing
+from mxmoe import accuracy, reference, testing
 from mxmoe._details import launch
 from mxmoe._details.config import overrides
 from mxmoe.bench import cuda_event_sampler, median
@@ -92,7 +92,7 @@ if "acc" in stages:
             x = torch.randn(T, H, device=dev).bfloat16()
             for promote in [None if p == "d" else int(p) for p in opts.get("promote", "d").split(",")]:
                 with overrides(gemm={} if promote is None else dict(promote=promote)):
-                    m, _ = check.gemm_level(x, ex, w, ids)
+                    m, _ = accuracy.gemm_level(x, ex, w, ids)
                 e1, e2 = m["w4a8_gemm1_vs_f64"], m["w4a8_gemm2_vs_f64"]
                 emit(dict(stage="acc", shape=(E, H, I, top_k), T=T, promote=promote, gemm1=e1, gemm2=e2),
                      f"acc {E},{H},{I},{top_k} T={T} promote={'default' if promote is None else promote}: "

@@ -1,6 +1,6 @@
 """``mxmoe check``'s SPEC §5 metrics on the CPU: per-token relative L2, the W4A8 excess over the FP8 emulation,
 zero rows, bound scopes, and the GEMM-level references (against an independent float64 decoder; with
-``TRITON_INTERPRET=1`` the plain-Triton kernels through ``check.gemm_level``)."""
+``TRITON_INTERPRET=1`` the plain-Triton kernels through ``accuracy.gemm_level``)."""
 from __future__ import annotations
 
 import math
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe import check, testing
-from mxmoe.check import (REFERENCE_SHAPE, Case, CaseResult, excess_over_emulation, per_token_relative_l2,
-                         w4a8_layer_failures, w4a8_layer_metrics, zero_where_ref_zero)
+from mxmoe import accuracy, check, testing
+from mxmoe.check import Case, CaseResult
+from mxmoe.accuracy import (REFERENCE_SHAPE, excess_over_emulation, per_token_relative_l2, w4a8_layer_failures,
+                            w4a8_layer_metrics, zero_where_ref_zero)
 
 interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
                                reason="runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, no GPU)")
@@ -32,7 +33,7 @@ def test_per_token_relative_l2_by_hand():
     out[2, 1] = float("nan")
     err, _ = per_token_relative_l2(out, ref)
     assert err[2].item() == math.inf and err[0].item() == pytest.approx(0.1)
-    assert check.worst_token_relative_l2(out, ref) == math.inf
+    assert accuracy.worst_token_relative_l2(out, ref) == math.inf
 
 
 def test_zero_where_ref_zero():
@@ -107,22 +108,22 @@ def test_layer_bounds_whole_token_and_reference_shape():
     bad[3] = 1e-3
     m = w4a8_layer_metrics(bad, emu, exact)
     assert not m["zero_where_exact_zero"] and w4a8_layer_failures(m, small) == ["zero_where_exact_zero"]
-    assert "token" in check.describe_w4a8(m)
+    assert "token" in accuracy.describe_w4a8(m)
 
 
 def test_bounds_and_their_scope():
-    assert check.tolerance("w4a8_vs_emulation", REFERENCE_SHAPE) == 0.02
-    assert check.tolerance("w4a8_vs_emulation", (288, 4096, 1024, 4)) is None
-    assert check.tolerance("w4a8_excess_over_emulation", (8, 96, 160, 3)) == 0.005
-    assert check.tolerance("w4a8_worst_token_excess", (8, 96, 160, 3)) == 0.015
-    assert check.tolerance("w4a8_gemm1_vs_f64", (8, 96, 160, 3)) == check.tolerance("w4a8_gemm2_vs_f64", (1, 32, 32, 1)) == 1.5e-3
-    assert check.tolerance("w4a16_vs_exact", (8, 96, 160, 3)) == 0.005
-    assert check.tolerance("w4a8_vs_exact", REFERENCE_SHAPE) is None  # information: the emulation's error is the yardstick
-    assert set(check.metric_names("gemm")) == {"w4a8_gemm1_vs_f64", "w4a8_gemm2_vs_f64", "w4a8_gemm1_worst_route",
+    assert accuracy.tolerance("w4a8_vs_emulation", REFERENCE_SHAPE) == 0.02
+    assert accuracy.tolerance("w4a8_vs_emulation", (288, 4096, 1024, 4)) is None
+    assert accuracy.tolerance("w4a8_excess_over_emulation", (8, 96, 160, 3)) == 0.005
+    assert accuracy.tolerance("w4a8_worst_token_excess", (8, 96, 160, 3)) == 0.015
+    assert accuracy.tolerance("w4a8_gemm1_vs_f64", (8, 96, 160, 3)) == accuracy.tolerance("w4a8_gemm2_vs_f64", (1, 32, 32, 1)) == 1.5e-3
+    assert accuracy.tolerance("w4a16_vs_exact", (8, 96, 160, 3)) == 0.005
+    assert accuracy.tolerance("w4a8_vs_exact", REFERENCE_SHAPE) is None  # information: the emulation's error is the yardstick
+    assert set(accuracy.metric_names("gemm")) == {"w4a8_gemm1_vs_f64", "w4a8_gemm2_vs_f64", "w4a8_gemm1_worst_route",
                                                "w4a8_gemm2_worst_route"}
-    assert [m for m in check.metric_names("gemm") if check.tolerance(m, REFERENCE_SHAPE)] == [
+    assert [m for m in accuracy.metric_names("gemm") if accuracy.tolerance(m, REFERENCE_SHAPE)] == [
         "w4a8_gemm1_vs_f64", "w4a8_gemm2_vs_f64"]  # the worst routes: information
-    assert set(check.metric_names("layer")) | set(check.metric_names("gemm")) == set(check.METRICS)
+    assert set(accuracy.metric_names("layer")) | set(accuracy.metric_names("gemm")) == set(accuracy.METRICS)
     ref = Case("r", "", *REFERENCE_SHAPE, T=4)
     small = Case("s", "", 8, 256, 128, 8, T=4)
     for case, expect in ((ref, ["a8~emu"]), (small, [])):
@@ -134,7 +135,7 @@ def test_bounds_and_their_scope():
     assert r.failures == ["a8 excess", "a8 tok excess"]
     g = CaseResult(Case("g", "", 8, 256, 128, 4, T=4, kind="gemm"), metrics={"w4a8_gemm1_vs_f64": 1.6e-3,
                                                                             "w4a8_gemm2_vs_f64": 1.4e-3})
-    assert g.failures == ["gemm1~f64"] and set(g.as_dict()["tolerances"]) == set(check.metric_names("gemm"))
+    assert g.failures == ["gemm1~f64"] and set(g.as_dict()["tolerances"]) == set(accuracy.metric_names("gemm"))
 
 
 def test_cases_cover_the_reference_shape_and_gemm_level():
@@ -182,10 +183,10 @@ def test_gemm_references_against_an_independent_decoder(make_source, decode_f64)
     q = torch.where(s[:, None] > 0, xf / torch.where(s > 0, s, 1)[:, None], 0).clamp(-448, 448)
     q = q.to(torch.float8_e4m3fn)
     xq = q.float().double() * s.double()[:, None]
-    ref1 = check.gemm1_reference_f64(x, ex, ids)
+    ref1 = accuracy.gemm1_reference_f64(x, ex, ids)
     a_q = torch.randn(T * top_k, I, generator=torch.Generator().manual_seed(4)).mul(30).to(torch.float8_e4m3fn)
     a_scale = torch.rand(T * top_k, generator=torch.Generator().manual_seed(5))
-    ref2 = check.gemm2_reference_f64(a_q, a_scale, ex, w, ids)
+    ref2 = accuracy.gemm2_reference_f64(a_q, a_scale, ex, w, ids)
     flat = ids.reshape(-1).long()
     for r in range(T * top_k):
         e, t = int(flat[r]), r // top_k
@@ -199,10 +200,10 @@ def test_gemm_references_against_an_independent_decoder(make_source, decode_f64)
     # the trick needs zero up rows and no global scale
     _, ex_up = _gemm_experts(make_source, E, H, I, zero_up=False)
     with pytest.raises(ValueError, match="up rows"):
-        check.gemm1_reference_f64(x, ex_up, ids)
+        accuracy.gemm1_reference_f64(x, ex_up, ids)
     src["w13_global_scale"] = torch.full((E,), 1.5)
     with pytest.raises(ValueError, match="global scales"):
-        check.gemm1_reference_f64(x, mxmoe.prepare_weights(**src), ids)
+        accuracy.gemm1_reference_f64(x, mxmoe.prepare_weights(**src), ids)
 
 
 def test_from_slot_order_inverts_the_kernels_order():
@@ -211,7 +212,7 @@ def test_from_slot_order_inverts_the_kernels_order():
     q = torch.randint(0, 256, (5, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     slotted = e4m3_slot_order(q)
     assert not torch.equal(slotted, q)  # the order is not the identity
-    assert torch.equal(check.from_slot_order(slotted), q)
+    assert torch.equal(accuracy.from_slot_order(slotted), q)
 
 
 def test_zero_up_experts_make_swigluoai_at_alpha_0_half_the_gate():
@@ -221,7 +222,7 @@ def test_zero_up_experts_make_swigluoai_at_alpha_0_half_the_gate():
 
     gate = torch.tensor([[-3e5, -1.0, -0.0, 0.0, 1e-30, 2.5, 7.0, 3e7]])
     h = torch.cat([gate, torch.zeros_like(gate)], dim=1)
-    y = apply_activation(h, "swigluoai", check.GEMM_LEVEL_LIMIT, check.GEMM_LEVEL_ALPHA)
+    y = apply_activation(h, "swigluoai", accuracy.GEMM_LEVEL_LIMIT, accuracy.GEMM_LEVEL_ALPHA)
     assert torch.equal(2 * y, gate)
     experts, _ = testing.make_experts(4, 64, 32, seed=1, zero_up=True)
     w13, _ = mxmoe.reference.decode_expert(experts, 2)
@@ -237,11 +238,11 @@ def test_gemm_level_on_the_emulation(monkeypatch):
     case = Case("g", "", 4, 64, 96, 3, T=9, routing="masked", zero_x_row=True, kind="gemm")
     p = check.build_problem(case)
     assert p.masked_rows.numel() >= 1
-    metrics, checks = check.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
+    metrics, checks = accuracy.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
     assert all(checks.values()) and "gemm2:route_slots" not in checks  # (a kernel-path check)
     assert 0 < metrics["w4a8_gemm1_vs_f64"] < 1e-6 and 0 < metrics["w4a8_gemm2_vs_f64"] < 1e-6
     assert metrics["w4a8_gemm1_vs_f64"] <= metrics["w4a8_gemm1_worst_route"] < 1e-6
-    real = check._emulated_gemm1_rows
+    real = accuracy._emulated_gemm1_rows
 
     def swapped(*args):
         rows = real(*args)
@@ -249,8 +250,8 @@ def test_gemm_level_on_the_emulation(monkeypatch):
         rows[valid[0]], rows[valid[1]] = rows[valid[1]].clone(), rows[valid[0]].clone()
         return rows
 
-    monkeypatch.setattr(check, "_emulated_gemm1_rows", swapped)
-    metrics, _ = check.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
+    monkeypatch.setattr(accuracy, "_emulated_gemm1_rows", swapped)
+    metrics, _ = accuracy.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
     assert metrics["w4a8_gemm1_vs_f64"] > 0.1 and metrics["w4a8_gemm1_worst_route"] > 0.5
 
 
@@ -258,7 +259,7 @@ def test_gemm_level_refuses_biases():
     experts, _ = testing.make_experts(4, 64, 32, seed=1, zero_up=True, biases=True)
     w, ids, _, _ = testing.make_routing("uniform", 3, 4, 2)
     with pytest.raises(ValueError, match="biases"):
-        check.gemm_level(torch.randn(3, 64).bfloat16(), experts, w, ids)
+        accuracy.gemm_level(torch.randn(3, 64).bfloat16(), experts, w, ids)
 
 
 @interpret
@@ -270,13 +271,13 @@ def test_gemm_level_runs_the_kernels_in_the_interpreter(monkeypatch):
     was filled with."""
     case = Case("g", "", 4, 64, 96, 3, T=9, routing="masked", zero_x_row=True, kind="gemm")
     p = check.build_problem(case)
-    metrics, checks = check.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
+    metrics, checks = accuracy.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
     assert checks.get("gemm2:route_slots") is True  # the kernel path ran
     assert all(checks.values()), checks
     assert metrics["w4a8_gemm1_vs_f64"] < 1e-6 and metrics["w4a8_gemm2_vs_f64"] < 1e-6, metrics
     with monkeypatch.context() as m:
-        m.setattr(check, "from_slot_order", lambda q: q)
-        metrics, _ = check.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
+        m.setattr(accuracy, "from_slot_order", lambda q: q)
+        metrics, _ = accuracy.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
         assert metrics["w4a8_gemm2_vs_f64"] > 0.1
     from mxmoe._details import launch
 
@@ -287,7 +288,7 @@ def test_gemm_level_runs_the_kernels_in_the_interpreter(monkeypatch):
             return real(*args, **kw)
 
     monkeypatch.setattr(launch, "_gemm", no_gemm1)
-    _, checks = check.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
+    _, checks = accuracy.gemm_level(p.x, p.experts, p.topk_weights, p.topk_ids)
     assert checks["gemm1:written"] is False
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe import bench, check, testing
+from mxmoe import accuracy, bench, check, testing
 from mxmoe.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("no_triton_interpret")
@@ -42,16 +42,16 @@ def test_check_runs_every_case_on_cpu(capsys, tmp_path):
     assert "GEMM-level" in out and "a8 tok excess" in out and "gemm1~f64" in out
     data = json.loads(path.read_text())
     assert data["device"] == "cpu" and len(data["results"]) == len(check.default_cases(small=True))
-    assert set(data["metrics"]) == set(check.METRICS) and data["reference_shape"] == [288, 4096, 1024, 8]
+    assert set(data["metrics"]) == set(accuracy.METRICS) and data["reference_shape"] == [288, 4096, 1024, 8]
     assert data["metrics"]["w4a8_vs_emulation"]["reference_shape_only"] is True
     r = data["results"][0]
-    assert set(r["metrics"]) == set(check.metric_names("layer")) and r["passed"]
+    assert set(r["metrics"]) == set(accuracy.metric_names("layer")) and r["passed"]
     assert r["checks"]["a8:written"] and r["checks"]["a16:deterministic"] and r["checks"]["a8:zero_where_exact_zero"]
     assert r["tolerances"]["w4a8_vs_emulation"] is None and r["tolerances"]["w4a8_worst_token_excess"] == 0.015
     # the emulation against itself on the CPU: no excess
     assert r["metrics"]["w4a8_excess_over_emulation"] == 0.0 and r["metrics"]["w4a8_worst_token_excess"] == 0.0
     gemm = [r for r in data["results"] if r["case"]["kind"] == "gemm"]
-    assert len(gemm) == 5 and all(set(g["metrics"]) == set(check.metric_names("gemm")) for g in gemm)
+    assert len(gemm) == 5 and all(set(g["metrics"]) == set(accuracy.metric_names("gemm")) for g in gemm)
     assert all(0 < g["metrics"]["w4a8_gemm1_vs_f64"] < 1e-6 and g["passed"] for g in gemm)
 
 

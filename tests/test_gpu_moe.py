@@ -14,8 +14,8 @@ import torch
 
 import mxmoe
 from mxmoe import fused_moe, fused_moe_reference, relative_l2
-from mxmoe.check import (REFERENCE_SHAPE, describe_w4a8, gemm_level, w4a8_layer_failures, w4a8_layer_metrics,
-                         zero_where_ref_zero)
+from mxmoe.accuracy import (REFERENCE_SHAPE, describe_w4a8, gemm_level, w4a8_layer_failures, w4a8_layer_metrics,
+                            zero_where_ref_zero)
 
 from conftest import top_scale_pair
 
@@ -32,7 +32,7 @@ def gpu_experts(E, H, I, *, seed=0, biases=False, scale_lo=120, scale_hi=124, ze
                 mixed_span=False, zero_up=False):
     """Random prepared experts (every E2M1 code, scale bytes in [scale_lo, scale_hi]). ``wide_span``: every row's
     blocks span 30 binades; ``mixed_span``: the odd experts' only (W4A8 takes the exact path for those, the fast
-    one for the others); ``zero_up``: w13's up rows all E2M1 code 0 (the GEMM-level check, ``check.gemm_level``)."""
+    one for the others); ``zero_up``: w13's up rows all E2M1 code 0 (the GEMM-level check, ``accuracy.gemm_level``)."""
     key = (E, H, I, seed, biases, scale_lo, scale_hi, zero_scale_rows, wide_span, mixed_span, zero_up)
     if key in _experts_cache:
         return _experts_cache[key]
@@ -487,7 +487,7 @@ GEMM_LEVEL = {
 
 @pytest.mark.parametrize("name", list(GEMM_LEVEL))
 def test_w4a8_gemm_level(name):
-    """Each W4A8 GEMM's FP32 output vs float64 of the same E4M3 operands <= 1.5e-3 (``check.gemm_level``): GEMM1
+    """Each W4A8 GEMM's FP32 output vs float64 of the same E4M3 operands <= 1.5e-3 (``accuracy.gemm_level``): GEMM1
     through ``launch.gemm1_rows`` on experts whose up rows are zero with swigluoai at alpha 0 (gate / 2 exactly),
     GEMM2's routed rows in an FP32 buffer of the workspace; masked routes (-1, >= E) and a fully masked token."""
     E, H, I, top_k, T, opts = GEMM_LEVEL[name]
