@@ -32,8 +32,10 @@ import torch
 
 from .moe import fused_moe, kernel_backend, validate_moe_args
 from .prepare import PreparedExperts
-from .reference import apply_activation, decode_expert, quantize_rows_fp8, relative_l2
+from .activation import apply_activation
+from .reference import decode_expert, quantize_rows_fp8, relative_l2
 from .routing import local_expert_ids
+from .selection import LayerPlan
 
 # --------------------------------------------------------------------------------------
 # Bounds (relative L2) and the metrics table
@@ -274,8 +276,8 @@ def _kernel_gemm1_rows(x, experts, topk_weights, topk_ids, expert_map) -> torch.
     inter = getattr(ws, "intermediate", None)
     if inter is not None:
         inter.fill_(0xFF)  # (uint8 bytes: FP32 NaN)
-    return launch.gemm1_rows(x, experts, topk_weights, topk_ids, "swigluoai", GEMM_LEVEL_LIMIT, GEMM_LEVEL_ALPHA,
-                             "w4a8", expert_map)
+    plan = LayerPlan("w4a8", "swigluoai", GEMM_LEVEL_LIMIT, GEMM_LEVEL_ALPHA)
+    return launch.gemm1_rows(x, experts, topk_weights, topk_ids, plan, expert_map)
 
 
 def gemm_level(x: torch.Tensor, experts: PreparedExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -94,8 +94,8 @@ import torch
 from .format import BLOCK_K, scales_as_uint8
 from .moe import fused_moe, validate_moe_args
 from .prepare import W13_LAYOUTS, PreparedExperts, prepare_weights
-from .reference import ACTIVATIONS
-from .selection import PRECISIONS, fp8_min_rows, is_capturing, select_precision
+from .activation import ACTIVATIONS
+from .selection import PRECISIONS, fp8_min_rows, is_capturing, plan_layer
 
 __all__ = [
     "ExpertParallelMoE", "TensorParallelMoE", "ep_expert_map", "ep_shard_weights", "tp_shard_weights",
@@ -431,17 +431,18 @@ class TensorParallelMoE(_ParallelMoEBase):
                                error, self.rank)
         elif error is not None:
             raise error
-        ran = select_precision(T * top_k, precision=precision, capturing=capturing)
+        plan = plan_layer(T * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
+                          swiglu_alpha=swiglu_alpha, capturing=capturing)  # one plan, every rank the same
         tl.mark("start", x.device)
         partial = fused_moe(x, self.experts, topk_weights, topk_ids, activation=activation, swiglu_limit=swiglu_limit,
-                            swiglu_alpha=swiglu_alpha, expert_map=expert_map, precision=ran, workspace=workspace)
+                            swiglu_alpha=swiglu_alpha, expert_map=expert_map, precision=plan.path, workspace=workspace)
         tl.mark("computed", x.device)
         acc = partial.float()  # BF16 partial -> FP32; the sum over ranks is FP32
         dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
         tl.mark("reduced", x.device)
         result = acc.to(torch.bfloat16) if out is None else out.copy_(acc)
         tl.mark("end", x.device)
-        return (result, ran) if return_precision else result
+        return (result, plan.path) if return_precision else result
 
 
 # ----------------------------------------------------------------------------- EP
@@ -554,7 +555,8 @@ class ExpertParallelMoE(_ParallelMoEBase):
         _raise_if_disagree(agree_rows, ("global E", "dispatch") + _CALL_FIELD_NAMES, "ExpertParallelMoE.forward",
                            error, self.rank)
         global_rows = sum(r[2] for r in rows) * top_k
-        ran = select_precision(global_rows, precision=precision)
+        plan = plan_layer(global_rows, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
+                          swiglu_alpha=swiglu_alpha)  # from the global rows: every rank the same
         tl.mark("header", device)
         n_send, n_recv = sum(send_counts), sum(recv_counts)
         H = x.shape[1]
@@ -583,7 +585,8 @@ class ExpertParallelMoE(_ParallelMoEBase):
             ids_recv = meta_recv[:, :k_recv].contiguous()
             w_recv = meta_recv[:, k_recv:].contiguous().view(torch.float32)
             y = fused_moe(x_recv, self.experts, w_recv, ids_recv, activation=activation, swiglu_limit=swiglu_limit,
-                          swiglu_alpha=swiglu_alpha, expert_map=self.expert_map, precision=ran, workspace=workspace)
+                          swiglu_alpha=swiglu_alpha, expert_map=self.expert_map, precision=plan.path,
+                          workspace=workspace)
         else:
             y = torch.empty(0, H, dtype=torch.bfloat16, device=device)
         tl.mark("computed", device)
@@ -604,4 +607,4 @@ class ExpertParallelMoE(_ParallelMoEBase):
             acc += back.index_select(0, pos[j]).float()
         result = acc.to(torch.bfloat16) if out is None else out.copy_(acc)
         tl.mark("end", device)
-        return (result, ran) if return_precision else result
+        return (result, plan.path) if return_precision else result

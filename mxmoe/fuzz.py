@@ -389,7 +389,8 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
     Returns ``{"ok", "code_dev", "gemm2_token"}``: the largest code deviation in units of the allowed one (<= 1
     passes) and the largest per-token relative L2 of the output against float64 GEMM2 of the kernel's codes."""
     from .workspace import Workspace
-    from .reference import apply_activation, decode_expert, quantize_rows_fp8
+    from .activation import apply_activation
+    from .reference import decode_expert, quantize_rows_fp8
     from .routing import local_expert_ids
 
     ex = inp.experts

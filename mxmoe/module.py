@@ -17,7 +17,7 @@ import torch
 
 from .moe import fused_moe
 from .prepare import LAYOUT_VERSION, PreparedExperts, check_layout_version, prepare_weights
-from .reference import ACTIVATIONS
+from .activation import ACTIVATIONS
 from .selection import PRECISIONS
 
 _TENSORS = ("w13", "w13_scale", "w2", "w2_scale", "w13_ref", "w2_ref", "w13_fold", "w2_fold", "w13_scale_restore",

@@ -20,7 +20,7 @@ import torch
 from ._details import interpreting
 from .op import expert_tensors, workspace_handle
 from .prepare import PreparedExperts, check_layout_version
-from .reference import ACTIVATIONS
+from .activation import ACTIVATIONS
 from .selection import PRECISIONS, select_precision
 
 

@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 
 from .prepare import PreparedExperts
-from .reference import activation_params, fused_moe_reference
-from .selection import select_precision
+from .reference import fused_moe_reference
+from .selection import plan_layer
 
 _WORKSPACES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count()
@@ -91,23 +91,23 @@ def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: tor
     if out.numel() and _overlaps(out, x):
         raise ValueError("out must not overlap x")
     T, top_k = topk_ids.shape
-    ran = select_precision(T * top_k, precision=precision)
+    plan = plan_layer(T * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
+                      swiglu_alpha=swiglu_alpha)
     experts = _experts(weights, extras, all_fold)
-    plan = _WORKSPACES.get(workspace) if workspace != -1 else None
-    if workspace != -1 and plan is None:
+    scratch = _WORKSPACES.get(workspace) if workspace != -1 else None  # a Workspace or a WorkspacePlan
+    if workspace != -1 and scratch is None:
         raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
     from .moe import kernel_backend
 
-    ws = None if plan is None else plan.for_call(experts, T, top_k, ran == "w4a8")  # (checked also on the CPU)
+    ws = None if scratch is None else scratch.for_call(experts, T, top_k, plan.fp8)  # (checked also on the CPU)
     if kernel_backend(x.device) == "triton":
         from ._details.launch import run_fused_moe
 
-        limit, alpha = activation_params(activation, swiglu_limit, swiglu_alpha)
-        run_fused_moe(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, ran, out, ws)
+        run_fused_moe(x, experts, topk_weights, topk_ids, plan, expert_map, out, ws)
     else:
-        out.copy_(fused_moe_reference(x, experts, topk_weights, topk_ids, activation=activation,
-                                      swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, expert_map=expert_map,
-                                      mode=ran))
+        out.copy_(fused_moe_reference(x, experts, topk_weights, topk_ids, activation=plan.activation,
+                                      swiglu_limit=plan.limit, swiglu_alpha=plan.alpha, expert_map=expert_map,
+                                      mode=plan.path))
 
 
 _LIB.impl("fused_moe", fused_moe_op, "CompositeExplicitAutograd")

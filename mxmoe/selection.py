@@ -1,10 +1,15 @@
 """Path selection between W4A16 and W4A8 (SPEC §6)."""
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from .activation import activation_params
 
 ENV_MIN_ROWS = "MXMOE_FP8_PREFILL_MIN_ROWS"
 PATHS = ("w4a16", "w4a8")  # the two paths a call can take
@@ -43,3 +48,24 @@ def select_precision(rows: int, *, precision: str = "auto", capturing: bool | No
     if precision != "auto":
         return precision
     return "w4a8" if threshold > 0 and rows >= threshold else "w4a16"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one call runs, resolved once (by the op when it runs; by ``distributed`` for all ranks at once): the path
+    and the activation with its limit and alpha (defaults applied). The launchers and the reference read it."""
+    path: str  # "w4a16" or "w4a8"
+    activation: str = "silu"
+    limit: float = math.inf  # inf: no clamp
+    alpha: float = 1.0
+
+    @property
+    def fp8(self) -> bool:
+        return self.path == "w4a8"
+
+
+def plan_layer(rows: int, *, precision: str = "auto", activation: str = "silu", swiglu_limit: Optional[float] = None,
+               swiglu_alpha: Optional[float] = None, capturing: Optional[bool] = None) -> LayerPlan:
+    """The :class:`LayerPlan` of a call of ``rows = T * top_k`` routed rows (:func:`select_precision`'s rule)."""
+    limit, alpha = activation_params(activation, swiglu_limit, swiglu_alpha)
+    return LayerPlan(select_precision(rows, precision=precision, capturing=capturing), activation, limit, alpha)

@@ -3,7 +3,9 @@ weights), config variants as overrides and per-kernel times."""
 import torch
 
 import mxmoe
+from mxmoe._details import launch
 from mxmoe._details.config import overrides
+from mxmoe.selection import plan_layer
 # the device scripts' per-kernel times: the bench's (torch profiler, median per kernel over 5 calls after an
 # unrecorded one; raises if the calls launched different kernels)
 from mxmoe.bench import kernel_times  # noqa: F401
@@ -33,3 +35,10 @@ def variant(v):
     if "g1" in v or "g2" in v:
         return overrides(gemm1=v.get("g1", {}), gemm2=v.get("g2", {}))
     return overrides(gemm=v)
+
+
+def run(x, experts, w, ids, precision, out, workspace, activation="silu"):
+    """``launch.run_fused_moe`` (no validation, the current overrides) on ``precision`` (w4a16 / w4a8) with
+    ``activation``'s default limit and alpha."""
+    plan = plan_layer(ids.numel(), precision=precision, activation=activation)
+    launch.run_fused_moe(x, experts, w, ids, plan, None, out, workspace)

@@ -37,7 +37,6 @@ for i, v in enumerate(args.versions):  # each version's package under a name of 
                     ignore=shutil.ignore_patterns("__pycache__"))
 sys.path.insert(0, root)
 mods = [importlib.import_module(n) for n in names]
-launches = [importlib.import_module(n + "._details.launch") for n in names]
 
 E, H, I, k = 288, 4096, 1024, 8
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -54,10 +53,10 @@ for T in [int(t) for t in args.tokens.split(",")]:
     ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32, generator=gt)
     w = torch.rand(T, k, device="cuda", generator=gt)
     fns, outs = [], []
-    for m, launch, ex in zip(mods, launches, experts):
+    for m, ex in zip(mods, experts):  # (the public entry: stable across versions)
         ws, out = m.Workspace(ex, T, k, fp8=True), torch.empty_like(x)
-        fns.append(lambda launch=launch, ex=ex, ws=ws, out=out: launch.run_fused_moe(
-            x, ex, w, ids, "silu", float("inf"), 1.0, None, args.prec, out, ws))
+        fns.append(lambda m=m, ex=ex, ws=ws, out=out: m.fused_moe(x, ex, w, ids, precision=args.prec, out=out,
+                                                                 workspace=ws))
         outs.append(out)
     checks = []
     for fn, out in zip(fns, outs):

@@ -13,8 +13,7 @@ import sys
 import torch
 
 import mxmoe
-from _experts import kernel_times, random_experts, variant
-from mxmoe._details import launch
+from _experts import kernel_times, random_experts, run, variant
 from mxmoe.bench import capture_graph, cuda_event_sampler, median
 
 E, H, I, top_k = 288, 4096, 1024, 8
@@ -27,7 +26,7 @@ for T in [int(t) for t in sys.argv[1].split(",")]:
     for v in json.loads(sys.argv[2]):
         def fn(v=v):
             with variant(v):
-                launch.run_fused_moe(x, experts, w, ids, "silu", float("inf"), 1.0, None, "w4a16", out, ws)
+                run(x, experts, w, ids, "w4a16", out, ws)
         for _ in range(3):
             fn()
         torch.cuda.synchronize()

@@ -18,8 +18,7 @@ variants. Writes $OUT/ws_<stage>.json; prints a summary last."""
 import os, sys, time, json
 import torch
 import mxmoe
-from _experts import random_experts, variant
-from mxmoe._details import launch
+from _experts import random_experts, run as run_launch, variant
 from mxmoe.bench import cuda_event_sampler, median
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -39,7 +38,7 @@ def run(kernel, x, ex, w, ids, prec, ws, act="silu"):
     if kernel != "triton" and os.environ.get("GLUON_JSON"):
         over = json.loads(os.environ["GLUON_JSON"])[prec]
     with variant(over):
-        launch.run_fused_moe(x, ex, w, ids, act, float("inf") if act == "silu" else 7.0, 1.702, None, prec, out, ws)
+        run_launch(x, ex, w, ids, prec, out, ws, act)
     return out
 
 def rel(a, b):
@@ -90,7 +89,7 @@ if stage in ("all", "time"):
                     continue
                 def fn(kern=kern):
                     with variant(kern):
-                        launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, prec, out, ws)
+                        run_launch(x, ex, w, ids, prec, out, ws)
                 try:
                     fn(); ms = median(cuda_event_sampler(fn, 20))
                 except Exception as e:

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     from mxmoe._details.launch import run_fused_moe
-    from mxmoe.reference import activation_params
+    from mxmoe.selection import plan_layer
 
     shape = bench.PRESETS["ref"]
     dev = torch.device("cuda")
@@ -63,20 +63,19 @@ def main() -> None:
     tokens = bench.parse_tokens(args.tokens)
     ws = mxmoe.Workspace(experts, max(tokens), shape.top_k, fp8=True)
     weights, extras, all_fold = expert_tensors(experts)
-    limit, alpha = activation_params("silu", None, None)
     rows = []
     for T in tokens:
         inp = bench.make_inputs(shape, T, dev, 0)
         out = torch.empty_like(inp.x)
         for precision in ("w4a16", "w4a8"):
+            plan = plan_layer(T * shape.top_k, precision=precision)
             arms = {
                 "fused_moe": lambda: mxmoe.fused_moe(inp.x, experts, inp.topk_weights, inp.topk_ids, out=out,
                                                      precision=precision, workspace=ws),
                 "op": lambda: torch.ops.mxmoe.fused_moe(inp.x, weights, extras, inp.topk_weights, inp.topk_ids, None,
                                                         out, "silu", None, None, precision, all_fold,
                                                         workspace_handle(ws)),
-                "launcher": lambda: run_fused_moe(inp.x, experts, inp.topk_weights, inp.topk_ids, "silu", limit, alpha,
-                                                  None, precision, out, ws),
+                "launcher": lambda: run_fused_moe(inp.x, experts, inp.topk_weights, inp.topk_ids, plan, None, out, ws),
             }
             row = {"T": T, "precision": precision}
             for name, fn in arms.items():

@@ -11,8 +11,7 @@ Writes $OUT/small_<stage>.json; prints a summary last.
 import os, sys, json
 import torch
 import mxmoe
-from _experts import random_experts, variant
-from mxmoe._details import launch
+from _experts import random_experts, run, variant
 from mxmoe.bench import cuda_event_sampler, median, capture_graph
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -24,7 +23,7 @@ def rel(a, b):
 
 def call(x, ex, w, ids, ws, out, v, act="silu"):
     with variant(v):
-        launch.run_fused_moe(x, ex, w, ids, act, float("inf") if act == "silu" else 7.0, 1.702, None, "w4a16", out, ws)
+        run(x, ex, w, ids, "w4a16", out, ws, act)
 
 rows = []
 stage = sys.argv[1] if len(sys.argv) > 1 else "all"

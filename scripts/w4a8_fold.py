@@ -19,9 +19,8 @@ import tempfile
 import torch
 
 import mxmoe
-from _experts import kernel_times, variant
+from _experts import kernel_times, run, variant
 from mxmoe import accuracy, reference, testing
-from mxmoe._details import launch
 from mxmoe._details.config import overrides
 from mxmoe.bench import cuda_event_sampler, median
 from mxmoe.prepare import fold_report
@@ -154,7 +153,7 @@ if "time" in stages:
         calls = {}
         def call(v, precision):
             with variant(v):
-                launch.run_fused_moe(x, ex, w, ids, "silu", float("inf"), 1.0, None, precision, out, ws)
+                run(x, ex, w, ids, precision, out, ws)
 
         for v in variants:
             calls[json.dumps(v)] = lambda v=v: call(v, "w4a8")

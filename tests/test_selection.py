@@ -446,3 +446,15 @@ def test_overrides_nest_reset_and_size_workspaces():
             assert max(pack_tile_heights(8, 288)) == 256  # a workspace made here holds the tiles asked for
         assert current_overrides() is outer
     assert current_overrides() == Overrides()
+
+
+def test_the_layer_plan_resolves_path_and_activation_once(monkeypatch):
+    from mxmoe.selection import plan_layer
+
+    monkeypatch.setenv("MXMOE_FP8_PREFILL_MIN_ROWS", "64")
+    plan = plan_layer(64, activation="swigluoai")
+    assert (plan.path, plan.fp8, plan.limit, plan.alpha) == ("w4a8", True, 7.0, 1.702)
+    plan = plan_layer(63, swiglu_limit=5)
+    assert (plan.path, plan.activation, plan.limit, plan.alpha) == ("w4a16", "silu", 5.0, 1.0)
+    assert plan_layer(1).limit == float("inf")
+    assert plan_layer(10 ** 6, precision="w4a8", capturing=True).path == "w4a16"

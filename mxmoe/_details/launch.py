@@ -17,6 +17,7 @@ import triton
 
 from ..prepare import PreparedExperts, row_block_unit
 from ..routing import device_route_pack, route_pack_capacity
+from ..selection import LayerPlan
 from ..workspace import Workspace, workspace_for
 from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
 from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, current_overrides, gemm_config, gluon_kernel,
@@ -161,18 +162,16 @@ def _quantize_rows(x, q, scale, row_valid=None):
                                         BLOCK_K=min(triton.next_power_of_2(K), 2048), PURE=interpreting(), num_warps=4)
 
 
-def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, precision,
-               expert_map=None) -> torch.Tensor:
+def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map=None) -> torch.Tensor:
     """GEMM1's output per route (route pack, [W4A8: x quantization], GEMM1 + activation; no GEMM2): ``[T * top_k,
     I]``, FP32 for W4A8 (before the intermediate's E4M3 quantization), BF16 for W4A16; masked routes' rows are
     zero. For checks of the GEMM alone (``mxmoe check``'s GEMM-level case): arguments as ``run_fused_moe``'s,
     already validated."""
     T, top_k = topk_ids.shape
     if T == 0:
-        return torch.zeros(0, experts.intermediate_size, dtype=torch.float32 if precision == "w4a8" else torch.bfloat16,
+        return torch.zeros(0, experts.intermediate_size, dtype=torch.float32 if plan.fp8 else torch.bfloat16,
                            device=x.device)
-    inter, pack = _run(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision, None, None,
-                       gemm2=False)
+    inter, pack = _run(x, experts, topk_weights, topk_ids, plan, expert_map, None, None, gemm2=False)
     rows = torch.zeros(T * top_k, experts.intermediate_size, dtype=inter.dtype, device=x.device)
     if pack is None:  # the direct path: route r in slot r * block_rows
         slots = torch.arange(T * top_k, device=x.device) * (inter.shape[0] // max(T * top_k, 1))
@@ -184,35 +183,41 @@ def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, activation, 
     return rows
 
 
-def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
-                  out, workspace: Optional[Workspace]):
+def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out,
+                  workspace: Optional[Workspace]):
     """The Triton path of :func:`mxmoe.fused_moe` (arguments already validated; ``config.overrides`` apply)."""
-    return _run(x, experts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision, out, workspace)
+    return _run(x, experts, topk_weights, topk_ids, plan, expert_map, out, workspace)
 
 
-def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit, alpha, expert_map, precision,
-         out, workspace: Optional[Workspace], gemm2: bool = True):
+def _configs(x, experts: PreparedExperts, routes: int, fp8: bool) -> tuple[GemmConfig, GemmConfig]:
+    """Both GEMMs' configs (on one route pack) for ``routes`` routed rows."""
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    # the Gluon kernels: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
+    gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
+    sms = _sm_count(x.device) if x.device.type == "cuda" else 0
+    changes = current_overrides()
+    cfg1 = gemm_config(routes, E, I, H, fp8, changes.gemm1,
+                       kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=True), gemm1=True, sm_count=sms)
+    cfg2 = gemm_config(routes, E, H, I, fp8, changes.gemm2,
+                       kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=False, n=H), gemm1=False)
+    assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
+    return cfg1, cfg2
+
+
+def _run(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out,
+         workspace: Optional[Workspace], gemm2: bool = True):
     T, top_k = topk_ids.shape
     if out is None:
         out = torch.empty_like(x)
     if T == 0:
         return out
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    fp8 = precision == "w4a8"
+    fp8, R = plan.fp8, T * top_k
     if workspace is None:
         workspace = workspace_for(experts, T, top_k, fp8)
     else:
         workspace.check(experts, T, top_k, fp8)
-    R = T * top_k
-    # the Gluon kernel: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
-    gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
-    sms = _sm_count(x.device) if x.device.type == "cuda" else 0
-    changes = current_overrides()
-    cfg1 = gemm_config(R, E, I, H, fp8, changes.gemm1, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=True),
-                       gemm1=True, sm_count=sms)
-    cfg2 = gemm_config(R, E, H, I, fp8, changes.gemm2, kernel_choice(x.device, R, E, fp8, gluon_ok, gemm1=False, n=H),
-                       gemm1=False)
-    assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
+    cfg1, cfg2 = _configs(x, experts, R, fp8)
     direct = None
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
         n_global = E if expert_map is None else expert_map.numel()
@@ -223,9 +228,8 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
         cfg1 = replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
         pack = device_route_pack(workspace, topk_ids, expert_map, cfg1.block_rows * cfg1.sub_tiles, E)
         max_rows = pack.sorted_routes.numel()
-    swigluoai = activation == "swigluoai"
-    common = dict(topk_weights=topk_weights, top_k=top_k, limit=limit, alpha=alpha, swigluoai=swigluoai, fp8=fp8,
-                  direct=direct)
+    common = dict(topk_weights=topk_weights, top_k=top_k, limit=plan.limit, alpha=plan.alpha,
+                  swigluoai=plan.activation == "swigluoai", fp8=fp8, direct=direct)
     if fp8:
         x_q, x_scale = workspace.x_q[:T], workspace.x_scale[:T]
         _quantize_rows(x, x_q, x_scale)
@@ -248,10 +252,10 @@ def _run(x, experts: PreparedExperts, topk_weights, topk_ids, activation, limit,
     _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
           experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, fold=experts.w2_fold, all_fold=experts.all_fold,
           **common)
-    block_h = min(triton.next_power_of_2(H), 1024)
     if direct and direct.sum_out is not None:
         return out  # GEMM2 summed the routes
     # without a pack GEMM2 wrote every route's row (zeros for masked ones): no slot list to check
+    block_h = min(triton.next_power_of_2(H), 1024)
     topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot if pack else routed, out, H, top_k,
                                                   BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None,
                                                   num_warps=4, **pdl_launch(x.device))
