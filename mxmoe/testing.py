@@ -1,6 +1,9 @@
 """Synthetic experts and routings: the generators that ``mxmoe check``, ``mxmoe check --fuzz``, ``mxmoe bench``, the
 tests and the scripts draw their problems from.
 
+* :func:`random_code_sources`: source tensors of uniformly random E2M1 bytes (every code) and scale bytes in a range,
+  with optional scale patterns (zero rows, 30-binade rows, odd experts only), zero up rows, biases, global scales:
+  the kernel tests' and device scripts' weights.
 * :func:`make_experts`: random prepared experts (weights drawn from a normal law and quantized with
   :func:`mxmoe.quantize_mxfp4`), optionally with scale-byte patterns (byte 0 in blocks, rows spanning ~30 binades),
   biases, global scales, zero up rows (the GEMM-level checks); :func:`source_tensors` gives the source tensors alone.
@@ -302,3 +305,40 @@ def compose_routing(E: int, T: int, top_k: int, gen: torch.Generator, *, routing
     weights = torch.where(masked, odd, weights)
     dtype = torch.int32 if ids_dtype == "int32" else torch.int64
     return weights.float().contiguous(), ids.to(dtype).contiguous(), expert_map, masked
+
+
+def random_code_sources(E: int, H: int, I: int, *, seed: int = 0, device="cpu", scale_lo: int = 120,
+                        scale_hi: int = 124, biases: bool = False, global_scales: bool = False,
+                        zero_scale_rows: bool = False, wide_span: bool = False, mixed_span: bool = False,
+                        zero_up: bool = False) -> dict:
+    """Source tensors (``prepare_weights``'s keywords, ``gate_up`` layout) of uniformly random E2M1 bytes and scale
+    bytes in [scale_lo, scale_hi], drawn on ``device`` in a fixed order (a seed gives the same tensors per device).
+    ``zero_scale_rows``: every 7th w13 row and 5th w2 block at byte 0; ``wide_span``: every row's blocks span 30
+    binades (126 + {0, -10, -20, -30} by block); ``mixed_span``: the odd experts' rows only (W4A8 runs those on its
+    exact path); ``zero_up``: w13's up rows all code 0 (the GEMM-level check)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device=device)
+    s13 = torch.randint(scale_lo, scale_hi + 1, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device=device)
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device=device)
+    s2 = torch.randint(scale_lo, scale_hi + 1, (E, H, I // 32), generator=g, dtype=torch.uint8, device=device)
+    if zero_scale_rows:
+        s13[:, ::7, :] = 0
+        s2[:, :, ::5] = 0
+    offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device=device)
+    span13 = (126 + offs[torch.arange(H // 32, device=device) % 4]).to(torch.uint8)
+    span2 = (126 + offs[torch.arange(I // 32, device=device) % 4]).to(torch.uint8)
+    if wide_span:
+        s13 = span13.expand(E, 2 * I, H // 32).contiguous()
+        s2 = span2.expand(E, H, I // 32).contiguous()
+    if mixed_span:
+        s13[1::2] = span13
+        s2[1::2] = span2
+    if zero_up:
+        w13[:, I:] = 0
+    src = dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+    if biases:
+        src.update(b13=torch.randn(E, 2 * I, generator=g, device=device), b2=torch.randn(E, H, generator=g, device=device))
+    if global_scales:
+        src.update(w13_global_scale=torch.rand(E, generator=g, device=device) + 0.5,
+                   w2_global_scale=torch.rand(E, generator=g, device=device) + 0.5)
+    return src

@@ -1,8 +1,8 @@
 """Helpers of the device scripts: random prepared experts (seeded: every script and run sees the same
 weights), config variants as overrides and per-kernel times."""
-import torch
 
 import mxmoe
+from mxmoe import testing
 from mxmoe._details import launch
 from mxmoe._details.config import overrides
 from mxmoe.selection import plan_layer
@@ -12,21 +12,10 @@ from mxmoe.bench import kernel_times  # noqa: F401
 
 
 def random_experts(E, H, I, lo=118, hi=122, wide=False, biases=False):
-    """Random E2M1 bytes, scale bytes uniform in [lo, hi]; ``wide``: each row's blocks span 30 binades
-    (byte 126 + {0, -10, -20, -30} by block); ``biases``: random b13 and b2."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(lo, hi + 1, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s2 = torch.randint(lo, hi + 1, (E, H, I // 32), generator=g, dtype=torch.uint8, device="cuda")
-    if wide:
-        offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device="cuda")
-        s13 = (126 + offs[torch.arange(H // 32, device="cuda") % 4]).to(torch.uint8).expand(E, 2 * I, H // 32).contiguous()
-        s2 = (126 + offs[torch.arange(I // 32, device="cuda") % 4]).to(torch.uint8).expand(E, H, I // 32).contiguous()
-    kw = {}
-    if biases:
-        kw = dict(b13=torch.randn(E, 2 * I, generator=g, device="cuda"), b2=torch.randn(E, H, generator=g, device="cuda"))
-    return mxmoe.prepare_weights(w13, s13, w2, s2, **kw)
+    """``testing.random_code_sources`` on the GPU (seed 0), scale bytes in [lo, hi], prepared; ``wide``: each row's
+    blocks span 30 binades; ``biases``: random b13 and b2."""
+    return mxmoe.prepare_weights(**testing.random_code_sources(E, H, I, device="cuda", scale_lo=lo, scale_hi=hi,
+                                                               wide_span=wide, biases=biases))
 
 
 def variant(v):

@@ -53,21 +53,11 @@ def decode_mxfp4_f64(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def random_source_experts(E: int, H: int, I: int, *, seed: int, scale_lo: int = 122, scale_hi: int = 126,
                           biases: bool = False, global_scales: bool = False) -> dict:
-    """Random E2M1-K32 source tensors in ``gate_up`` layout (all byte values, scales in [lo, hi])."""
-    g = torch.Generator().manual_seed(seed)
-    src = dict(
-        w13=torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8),
-        w13_scale=torch.randint(scale_lo, scale_hi + 1, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8),
-        w2=torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8),
-        w2_scale=torch.randint(scale_lo, scale_hi + 1, (E, H, I // 32), generator=g, dtype=torch.uint8),
-    )
-    if biases:
-        src["b13"] = torch.randn(E, 2 * I, generator=g)
-        src["b2"] = torch.randn(E, H, generator=g)
-    if global_scales:
-        src["w13_global_scale"] = torch.rand(E, generator=g) + 0.5
-        src["w2_global_scale"] = torch.rand(E, generator=g) + 0.5
-    return src
+    """Random E2M1-K32 source tensors in ``gate_up`` layout (all byte values, scales in [lo, hi]) on the CPU."""
+    from mxmoe.testing import random_code_sources  # (here: TRITON_INTERPRET is decided above)
+
+    return random_code_sources(E, H, I, seed=seed, scale_lo=scale_lo, scale_hi=scale_hi, biases=biases,
+                               global_scales=global_scales)
 
 
 @pytest.fixture

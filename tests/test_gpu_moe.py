@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe import fused_moe, fused_moe_reference, relative_l2
+from mxmoe import fused_moe, fused_moe_reference, relative_l2, testing
 from mxmoe.accuracy import (REFERENCE_SHAPE, describe_w4a8, gemm_level, w4a8_layer_failures, w4a8_layer_metrics,
                             zero_where_ref_zero)
 
@@ -30,35 +30,13 @@ _experts_cache: dict = {}
 
 def gpu_experts(E, H, I, *, seed=0, biases=False, scale_lo=120, scale_hi=124, zero_scale_rows=False, wide_span=False,
                 mixed_span=False, zero_up=False):
-    """Random prepared experts (every E2M1 code, scale bytes in [scale_lo, scale_hi]). ``wide_span``: every row's
-    blocks span 30 binades; ``mixed_span``: the odd experts' only (W4A8 takes the exact path for those, the fast
-    one for the others); ``zero_up``: w13's up rows all E2M1 code 0 (the GEMM-level check, ``accuracy.gemm_level``)."""
+    """``testing.random_code_sources`` prepared on the GPU (one set kept resident)."""
     key = (E, H, I, seed, biases, scale_lo, scale_hi, zero_scale_rows, wide_span, mixed_span, zero_up)
     if key in _experts_cache:
         return _experts_cache[key]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device=dev)
-    s13 = torch.randint(scale_lo, scale_hi + 1, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device=dev)
-    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device=dev)
-    s2 = torch.randint(scale_lo, scale_hi + 1, (E, H, I // 32), generator=g, dtype=torch.uint8, device=dev)
-    if zero_scale_rows:  # a few whole rows and scattered blocks at byte 0 (2**-127)
-        s13[:, ::7, :] = 0
-        s2[:, :, ::5] = 0
-    if wide_span:  # each row's blocks span 30 binades: byte 127 + {0, -10, -20, -30} by block
-        offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device=dev)
-        s13 = (126 + offs[torch.arange(H // 32, device=dev) % 4]).to(torch.uint8).expand(E, 2 * I, H // 32).contiguous()
-        s2 = (126 + offs[torch.arange(I // 32, device=dev) % 4]).to(torch.uint8).expand(E, H, I // 32).contiguous()
-    if mixed_span:
-        offs = torch.tensor([0, -10, -20, -30], dtype=torch.int16, device=dev)
-        s13[1::2] = (126 + offs[torch.arange(H // 32, device=dev) % 4]).to(torch.uint8)
-        s2[1::2] = (126 + offs[torch.arange(I // 32, device=dev) % 4]).to(torch.uint8)
-    if zero_up:
-        w13[:, I:] = 0
-    kw = {}
-    if biases:
-        kw = dict(b13=torch.randn(E, 2 * I, generator=g, device=dev), b2=torch.randn(E, H, generator=g, device=dev))
-    ex = mxmoe.prepare_weights(w13, s13, w2, s2, **kw)
+    ex = mxmoe.prepare_weights(**testing.random_code_sources(
+        E, H, I, seed=seed, device="cuda", scale_lo=scale_lo, scale_hi=scale_hi, biases=biases,
+        zero_scale_rows=zero_scale_rows, wide_span=wide_span, mixed_span=mixed_span, zero_up=zero_up))
     _experts_cache.clear()  # keep one model resident
     _experts_cache[key] = ex
     return ex
