@@ -388,7 +388,7 @@ def test_gluon_kernel_matches_plain_kernel(shape, T, kind, precision, monkeypatc
                                               ("biases_and_global_scales", torch.int32, 700),
                                               ("short_k", torch.int32, 700)])
 def test_wide_tiles(kind, ids_dtype, T):
-    """W4A16 on the wide 256-row route tiles (set by overrides, so that 700 tokens take them): hot experts
+    """W4A16 on the wide 256-row route tiles (set by overrides, so that 700 tokens take them; against 128-row tiles): hot experts
     with several wide tiles, masked routes, partial tiles and tile halves without a row; GEMM2 persistent on the wide
     tiles and on their 128-row halves; ``four_experts``: 4 route tiles, 128 GEMM2 tiles (on
     a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile);
@@ -414,13 +414,13 @@ def test_wide_tiles(kind, ids_dtype, T):
     else:
         ids, w = routing(T, top_k, E, kind=kind, ids_dtype=ids_dtype, seed=7)
     outs = []
-    wide, halves = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2)
-    for gemm1, gemm2 in ((wide, wide), (wide, halves), ({}, {})):
+    wide, halves, narrow = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2), dict(block_rows=128)
+    for gemm1, gemm2 in ((wide, wide), (wide, halves), (narrow, narrow)):
         with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
             g1 = config.gemm_config(T * top_k, E, I, H, False, changes.gemm1, kernel="gluon_small")
             g2 = config.gemm_config(T * top_k, E, H, I, False, changes.gemm2, kernel="gluon_small", gemm1=False)
-            assert g1.wide is bool(gemm1) and g2.wide is (gemm2 is wide)
+            assert g1.wide is (gemm1 is wide) and g2.wide is (gemm2 is wide)
             outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
