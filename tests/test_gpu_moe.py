@@ -388,7 +388,7 @@ def test_gluon_kernel_matches_plain_kernel(shape, T, kind, precision, monkeypatc
                                               ("biases_and_global_scales", torch.int32, 700),
                                               ("short_k", torch.int32, 700)])
 def test_wide_tiles(kind, ids_dtype, T):
-    """W4A16 on the wide 256-row route tiles (set by overrides, so that 700 tokens take them; against 128-row tiles): hot experts
+    """W4A16 on the wide 256-row route tiles (set by overrides, so that 700 tokens take them): hot experts
     with several wide tiles, masked routes, partial tiles and tile halves without a row; GEMM2 persistent on the wide
     tiles and on their 128-row halves; ``four_experts``: 4 route tiles, 128 GEMM2 tiles (on
     a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile);
