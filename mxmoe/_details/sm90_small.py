@@ -97,6 +97,121 @@ def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: g
 
 
 @gluon.jit
+def _e4m3_row_addends(ref_ptr, w_row0, half_rows, sm, NH: gl.constexpr, FOLD: gl.constexpr, BM: gl.constexpr,
+                      SC: gl.constexpr):
+    """The E4M3 tables' addends of each row of both halves (the unfolded path: constant, scale byte 0)."""
+    if FOLD:
+        tlo_g, thi_g = _e4m3_addends(gl.load(ref_ptr + w_row0 + sm))
+        tlo_u, thi_u = tlo_g, thi_g
+        if NH == 2:
+            tlo_u, thi_u = _e4m3_addends(gl.load(ref_ptr + w_row0 + half_rows + sm))
+    else:
+        tlo_g = gl.full([BM], E4M3_UNFOLDED_LO, gl.uint32, gl.SliceLayout(1, SC))
+        thi_g = gl.full([BM], E4M3_UNFOLDED_HI, gl.uint32, gl.SliceLayout(1, SC))
+        tlo_u, thi_u = tlo_g, thi_g
+    return tlo_g, thi_g, tlo_u, thi_u
+
+
+@gluon.jit
+def _prologue(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, first_step, num_steps,
+              NH: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, NUM_STAGES: gl.constexpr,
+              EARLY_WEIGHTS: gl.constexpr):
+    """Stages 0 .. S-2 in flight (with ``EARLY_WEIGHTS`` their weights before the wait for the previous kernel, the
+    rest after it)."""
+    for j in gl.static_range(NUM_STAGES - 1):
+        if j < num_steps:
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK, U,
+                         1 if EARLY_WEIGHTS else 0, True)
+    if EARLY_WEIGHTS:
+        _wait_for_previous_kernel()
+        for j in gl.static_range(NUM_STAGES - 1):
+            if j < num_steps:
+                _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
+                             BK, U, 2, True)
+
+
+@gluon.jit
+def _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g, acc_u, pg, pu,
+                 NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, DOT: gl.constexpr,
+                 PROMOTE: gl.constexpr):
+    """One K step of W4A8's fast path: the blocks' scales folded into the E4M3 weights, one wgmma chain per half
+    (the up half converted while the gate half's MMAs run); with ``PROMOTE`` = P > 0 into the chains ``pg`` / ``pu``
+    that restart every P steps (the caller adds them to FP32), else into the accumulators."""
+    NB: gl.constexpr = BK // 32
+    ops_g = _e4m3_operands(_fragment_bytes(packed.index(s * NH), BM, BK, U), cur_sg, tlo_g, thi_g, BM, BK, DOT)
+    if PROMOTE > 0:
+        chained = i % PROMOTE != 0  # (False: a chain starts from zero)
+        pg = _fp8_chain(ops_g, act_s, pg, NB, chained)
+    else:
+        acc_g = _fp8_chain(ops_g, act_s, acc_g, NB)
+    ops_u = ops_g
+    if NH == 2:
+        ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), cur_su, tlo_u, thi_u, BM, BK, DOT)
+        if PROMOTE > 0:
+            pu = _fp8_chain(ops_u, act_s, pu, NB, chained)
+        else:
+            acc_u = _fp8_chain(ops_u, act_s, acc_u, NB)
+    if PROMOTE > 0:
+        pg, pu = _fp8_wait(pg, pu, ops_g, ops_u, NH, NB)
+    else:
+        acc_g, acc_u = _fp8_wait(acc_g, acc_u, ops_g, ops_u, NH, NB)
+    return acc_g, acc_u, pg, pu
+
+
+@gluon.jit
+def _unfolded_step(packed, act_s, s, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g, acc_u, zero, sb,
+                   NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, DOT: gl.constexpr,
+                   ROWS: gl.constexpr, SC: gl.constexpr):
+    """One K step of W4A8's exact path: one wgmma per K32 block from zero, its partial sum times the block's factor
+    into the FP32 accumulators."""
+    NB: gl.constexpr = BK // 32
+    no_b = gl.zeros([BM, NB], gl.int32, SC)
+    ops_g = _e4m3_operands(_fragment_bytes(packed.index(s * NH), BM, BK, U), no_b, tlo_g, thi_g, BM, BK, DOT)
+    ops_u = ops_g
+    if NH == 2:
+        ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), no_b, tlo_u, thi_u, BM, BK, DOT)
+    pg = zero
+    pu = zero
+    for b in gl.static_range(NB):
+        xb = act_s.slice(32 * b, 32, dim=1).permute((1, 0))
+        fac_g = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)), ROWS)
+        pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
+        if NH == 2:
+            fac_u = gl.convert_layout(_block_factor(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1)), ROWS)
+            pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
+            pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
+            acc_u += pu * fac_u[:, None]
+        else:
+            pg = warpgroup_mma_wait(0, deps=(pg, ))
+        acc_g += pg * fac_g[:, None]
+    return acc_g, acc_u, pg, pu
+
+
+@gluon.jit
+def _bf16_step(packed, act, loaded, s, i, num_steps, codes_g, codes_u, f_g, f_u, acc_g, acc_u, TAIL: gl.constexpr,
+               NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, U: gl.constexpr,
+               WL: gl.constexpr, DOT: gl.constexpr, PAIRED: gl.constexpr):
+    """One K step of W4A16: the next step's codes loaded (shared) while this step's, converted with factors ``f``,
+    go to the MMA; returns the accumulators and the next codes."""
+    cur_g = codes_g
+    cur_u = codes_u
+    if TAIL == 0 or i + 1 < num_steps:
+        t = (i + 1) % NUM_STAGES
+        mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
+        codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL, U)
+        if NH == 2:
+            codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL, U)
+    xb = act.index(s).permute((1, 0))
+    acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT, PAIRED), xb, acc_g, is_async=True)
+    if NH == 2:
+        acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT, PAIRED), xb, acc_u, is_async=True)
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+    else:
+        acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+    return acc_g, acc_u, codes_g, codes_u
+
+
+@gluon.jit
 def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -127,33 +242,15 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
     s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
     up_scales = half_rows * (K // 32)
-    if FP8:  # the E4M3 tables' addends (the unfolded path: constant, scale byte 0)
-        if FOLD:
-            tlo_g, thi_g = _e4m3_addends(gl.load(ref_ptr + w_row0 + sm))
-            tlo_u, thi_u = tlo_g, thi_g
-            if NH == 2:
-                tlo_u, thi_u = _e4m3_addends(gl.load(ref_ptr + w_row0 + half_rows + sm))
-        else:
-            tlo_g = gl.full([BM], E4M3_UNFOLDED_LO, gl.uint32, gl.SliceLayout(1, SC))
-            thi_g = gl.full([BM], E4M3_UNFOLDED_HI, gl.uint32, gl.SliceLayout(1, SC))
-            tlo_u, thi_u = tlo_g, thi_g
+    if FP8:
+        tlo_g, thi_g, tlo_u, thi_u = _e4m3_row_addends(ref_ptr, w_row0, half_rows, sm, NH, FOLD, BM, SC)
     else:
         fac0_g = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
         fac0_u = fac0_g
         if NH == 2:
             fac0_u = _fold_addend(_fold_ref(ref_ptr + w_row0 + half_rows + sm))
-
-    # prologue: stages 0 .. S-2 in flight (with EARLY_WEIGHTS their weights before the wait, the rest after it)
-    for j in gl.static_range(NUM_STAGES - 1):
-        if j < num_steps:
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH, BK, U,
-                         1 if EARLY_WEIGHTS else 0, True)
-    if EARLY_WEIGHTS:
-        _wait_for_previous_kernel()
-        for j in gl.static_range(NUM_STAGES - 1):
-            if j < num_steps:
-                _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, j, first_step + j, NH,
-                             BK, U, 2, True)
+    _prologue(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, first_step, num_steps, NH, BK, U,
+              NUM_STAGES, EARLY_WEIGHTS)
 
     zero = gl.zeros((BM, BT), gl.float32, MMA)
     acc_g = zero
@@ -231,23 +328,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                         mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
                         act_s = act.index(s)
                         if FOLD:  # the blocks' scales in the E4M3 weights: one wgmma chain per half
-                            ops_g = _e4m3_operands(_fragment_bytes(packed.index(s * NH), BM, BK, U), cur_sg, tlo_g,
-                                                   thi_g, BM, BK, DOT)
-                            if PROMOTE > 0:  # the FP8 chains restart every PROMOTE steps, added to FP32 at the end
-                                chained = i % PROMOTE != 0  # (False: a chain starts from zero)
-                                pg = _fp8_chain(ops_g, act_s, pg, NB, chained)
-                            else:
-                                acc_g = _fp8_chain(ops_g, act_s, acc_g, NB)
-                            ops_u = ops_g
-                            if NH == 2:  # (converted while the gate half's MMAs run)
-                                ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), cur_su,
-                                                       tlo_u, thi_u, BM, BK, DOT)
-                                if PROMOTE > 0:
-                                    pu = _fp8_chain(ops_u, act_s, pu, NB, chained)
-                                else:
-                                    acc_u = _fp8_chain(ops_u, act_s, acc_u, NB)
+                            acc_g, acc_u, pg, pu = _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g,
+                                                                tlo_u, thi_u, acc_g, acc_u, pg, pu, NH, BM, BK, U, DOT,
+                                                                PROMOTE)
                             if PROMOTE > 0:
-                                pg, pu = _fp8_wait(pg, pu, ops_g, ops_u, NH, NB)
                                 if PROMOTE_SMEM:  # the FP32 sums in shared memory (the chains' registers are all
                                     # there is room for); the last chain is added after the loop
                                     if ((i + 1) % PROMOTE == 0) & (i + 1 < num_steps):
@@ -258,30 +342,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                                     acc_g += pg
                                     if NH == 2:
                                         acc_u += pu
-                            else:
-                                acc_g, acc_u = _fp8_wait(acc_g, acc_u, ops_g, ops_u, NH, NB)
                         else:  # unfolded (rows of wider spans): each block's partial sum times its scale in FP32
-                            no_b = gl.zeros([BM, NB], gl.int32, SC)
-                            ops_g = _e4m3_operands(_fragment_bytes(packed.index(s * NH), BM, BK, U), no_b, tlo_g, thi_g,
-                                                   BM, BK, DOT)
-                            ops_u = ops_g
-                            if NH == 2:
-                                ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), no_b, tlo_u,
-                                                       thi_u, BM, BK, DOT)
-                            for b in gl.static_range(NB):
-                                xb = act_s.slice(32 * b, 32, dim=1).permute((1, 0))
-                                fac_g = gl.convert_layout(
-                                    _block_factor(gl.sum(gl.where(sb[None, :] == b, cur_sg, 0), axis=1)), ROWS)
-                                pg = warpgroup_mma(ops_g[b], xb, zero, use_acc=False, is_async=True)
-                                if NH == 2:
-                                    fac_u = gl.convert_layout(
-                                        _block_factor(gl.sum(gl.where(sb[None, :] == b, cur_su, 0), axis=1)), ROWS)
-                                    pu = warpgroup_mma(ops_u[b], xb, zero, use_acc=False, is_async=True)
-                                    pg, pu = warpgroup_mma_wait(0, deps=(pg, pu))
-                                    acc_u += pu * fac_u[:, None]
-                                else:
-                                    pg = warpgroup_mma_wait(0, deps=(pg, ))
-                                acc_g += pg * fac_g[:, None]
+                            acc_g, acc_u, pg, pu = _unfolded_step(packed, act_s, s, cur_sg, cur_su, tlo_g, thi_g, tlo_u,
+                                                                  thi_u, acc_g, acc_u, zero, sb, NH, BM, BK, U, DOT,
+                                                                  ROWS, SC)
                     else:
                         # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no
                         # clamp (the field is in [0, 254])
@@ -291,23 +355,9 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                         else:
                             f_g = cur_sg * 0x00800080 + fac0_g
                             f_u = cur_su * 0x00800080 + fac0_u
-                        cur_g = codes_g
-                        cur_u = codes_u
-                        if TAIL == 0 or i + 1 < num_steps:
-                            t = (i + 1) % NUM_STAGES
-                            mbarrier.wait(loaded.index(t), ((i + 1) // NUM_STAGES) & 1)
-                            codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL, U)
-                            if NH == 2:
-                                codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL, U)
-                        xb = act.index(s).permute((1, 0))
-                        acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT, PAIRED), xb, acc_g,
-                                              is_async=True)
-                        if NH == 2:
-                            acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT, PAIRED), xb, acc_u,
-                                                  is_async=True)
-                            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-                        else:
-                            acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
+                        acc_g, acc_u, codes_g, codes_u = _bf16_step(packed, act, loaded, s, i, num_steps, codes_g,
+                                                                    codes_u, f_g, f_u, acc_g, acc_u, TAIL, NH, BM, BK,
+                                                                    NUM_STAGES, U, WL, DOT, PAIRED)
     if PROMOTE_SMEM:
         acc_g = total.index(0).load(MMA) + pg
         if NH == 2:
