@@ -393,6 +393,57 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
 
 
 @gluon.jit
+def _split_k_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
+                   half_rows, K, top_k, num_k, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
+                   BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   SCALE_WORDS: gl.constexpr, U: gl.constexpr, DIRECT: gl.constexpr, SPLIT_LOOP: gl.constexpr,
+                   FOLD: gl.constexpr, PROMOTE: gl.constexpr, SPLIT_REGS: gl.constexpr, MMA: gl.constexpr):
+    """``KSPLIT=2``: a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
+    SM issues too few instructions per cycle); its sums are added after the first half's, in that order."""
+    NB: gl.constexpr = BK // 32
+    packed2, act2, loaded2 = _small_ring(a_ptr.dtype.element_ty, NH, BM, BT, BK, NUM_STAGES, U)
+    partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(done, count=1)
+    half = _first_half_steps(num_k, NB, SCALE_WORDS)
+    acc_g, acc_u = gl.warp_specialize([
+        (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
+                        half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, U, False,
+                        DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
+        (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
+                                  w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial, done, GEMM1, NH,
+                                  FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, U, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
+    ], [4], [SPLIT_REGS])
+    mbarrier.wait(done, 0)
+    acc_g = acc_g + partial.index(0).load(MMA)
+    if NH == 2:
+        acc_u = acc_u + partial.index(1).load(MMA)
+    return acc_g, acc_u
+
+
+@gluon.jit
+def _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                    topk_weights_ptr, expert, w_row0, n0, slot0, half_rows, N, top_k, limit, alpha,
+                    GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, OUT_I64: gl.constexpr,
+                    MMA: gl.constexpr, DIRECT: gl.constexpr, NH: gl.constexpr, PAIR: gl.constexpr,
+                    FOLD: gl.constexpr):
+    """The row exponents (W4A16: 2**(r - 127); W4A8 folded: 2**(ref - 133)) and the epilogue of the tile's rows,
+    with ``PAIR`` of both blocks."""
+    if not FP8:
+        acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM, gl.SliceLayout(1, MMA))
+    elif FOLD:
+        acc_g, acc_u = _times_row_fold(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM, gl.SliceLayout(1, MMA))
+    _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+              topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8, HAS_BIAS,
+              HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+    if PAIR:  # the second block's rows
+        _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                  topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
+                  FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+
+
+@gluon.jit
 def moe_gemm_small_kernel(
     a_ptr, a_scale_ptr, stride_a,
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
@@ -489,44 +540,17 @@ def moe_gemm_small_kernel(
                                         BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT,
                                         SPLIT_LOOP, FOLD, PROMOTE, PROMOTE_SMEM)
         else:
-            # a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
-            # SM issues too few instructions per cycle); its sums are added after the first half's, in that order
-            gl.static_assert(KSPLIT == 2)
-            packed2, act2, loaded2 = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES, W_UNIT)
-            partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(done, count=1)
-            half = _first_half_steps(num_k, NB, SCALE_WORDS)
-            acc_g, acc_u = gl.warp_specialize([
-                (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                                w_row0, slot0, half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                SCALE_WORDS, W_UNIT, False, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
-                (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2,
-                                          loaded2, w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial,
-                                          done, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT,
-                                          DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
-            ], [4], [SPLIT_REGS])
-            mbarrier.wait(done, 0)
-            acc_g = acc_g + partial.index(0).load(MMA)
-            if NH == 2:
-                acc_u = acc_u + partial.index(1).load(MMA)
+            acc_g, acc_u = _split_k_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
+                                          w_row0, slot0, half_rows, K, top_k, num_k, GEMM1, NH, FP8, BM, BT, BK,
+                                          NUM_STAGES, SCALE_WORDS, W_UNIT, DIRECT, SPLIT_LOOP, FOLD, PROMOTE,
+                                          SPLIT_REGS, MMA)
         last = True
         if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
             acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
         if last:
-            if not FP8:
-                acc_g, acc_u = _times_row_ref(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
-                                              gl.SliceLayout(1, MMA))
-            elif FOLD:
-                acc_g, acc_u = _times_row_fold(acc_g, acc_u, ref_ptr, w_row0, half_rows, NH, BM,
-                                               gl.SliceLayout(1, MMA))
-            _epilogue(acc_g, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                      topk_weights_ptr, expert, w_row0, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, FP8,
-                      HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
-            if PAIR:  # the second block's rows
-                _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                          topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
-                          SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+            _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
+                            stride_out, topk_weights_ptr, expert, w_row0, n0, slot0, half_rows, N, top_k, limit, alpha,
+                            GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT, NH, PAIR, FOLD)
     else:
         if EARLY_WEIGHTS:
             # a program without a tile waits too: a kernel must not complete before the one it follows (else the
