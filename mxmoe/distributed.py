@@ -87,15 +87,16 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .format import BLOCK_K, scales_as_uint8
+from .activation import ACTIVATIONS
 from .moe import fused_moe, validate_moe_args
 from .prepare import W13_LAYOUTS, PreparedExperts, prepare_weights
-from .activation import ACTIVATIONS
 from .selection import PRECISIONS, fp8_min_rows, is_capturing, plan_layer
+from .sharding import ep_expert_map, ep_shard_weights, tp_shard_weights
 
 __all__ = [
     "ExpertParallelMoE", "TensorParallelMoE", "ep_expert_map", "ep_shard_weights", "tp_shard_weights",
@@ -113,151 +114,6 @@ def _dist():
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
     return dist
-
-
-def _check_world(rank: int, world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-
-
-def _packed_shapes(w13, w13_scale, w2, w2_scale):
-    """(E, H, I) from the packed source tensors, with the checks slicing relies on."""
-    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
-    E, two_i, half_h = w13.shape
-    if two_i % 2:
-        raise ValueError(f"w13 has {two_i} rows; expected 2*I")
-    H, I = 2 * half_h, two_i // 2
-    if tuple(w2.shape) != (E, H, I // 2):
-        raise ValueError(f"w2 has shape {tuple(w2.shape)}, expected [E, H, I/2] = {(E, H, I // 2)} from w13 {tuple(w13.shape)}")
-    return E, H, I
-
-
-def _check_shard_args(rank: int, world_size: int, w13_layout: str) -> None:
-    _check_world(rank, world_size)
-    if w13_layout not in W13_LAYOUTS:
-        raise ValueError(f"w13_layout must be one of {W13_LAYOUTS}, got {w13_layout!r}")
-
-
-def _move(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
-    if t is None:
-        return None
-    t = t.contiguous()
-    return t if device is None else t.to(device)
-
-
-def tp_shard_weights(
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    *,
-    rank: int,
-    world_size: int,
-    w13_layout: str = "gate_up",
-    b13: Optional[torch.Tensor] = None,
-    b2: Optional[torch.Tensor] = None,
-    w13_global_scale: Optional[torch.Tensor] = None,
-    w2_global_scale: Optional[torch.Tensor] = None,
-    device=None,
-) -> dict:
-    """Rank ``rank``'s tensor-parallel slice of full packed weights: keyword arguments for
-    :func:`mxmoe.prepare_weights`.
-
-    Every expert keeps the intermediate columns ``[rank*I/w, (rank+1)*I/w)``: the same
-    gate rows and up rows of ``w13`` (and ``b13``), in the source ``w13_layout`` (which is
-    kept: ``gate_up``/``up_gate`` take that block of each half, ``interleaved`` the
-    contiguous block of rows ``[2*rank*I/w, 2*(rank+1)*I/w)``), and the same K-range of
-    ``w2`` (packed bytes ``I/(2w)`` and scale columns ``I/(32w)`` per rank, so ``I/w``
-    must be a multiple of 32). ``b2`` goes to rank 0 only (``None`` elsewhere) so the
-    all-reduce adds it once; global scales are replicated. Scales keep their dtype
-    (uint8 or float8_e8m0fnu). Tensors are copied (contiguous) and moved to ``device``
-    when given. Raises ``ValueError`` when ``world_size`` does not divide ``I`` or
-    ``I/world_size`` is not a multiple of 32.
-    """
-    _check_shard_args(rank, world_size, w13_layout)
-    E, H, I = _packed_shapes(w13, w13_scale, w2, w2_scale)
-    if I % world_size:
-        raise ValueError(f"tensor parallelism: world size {world_size} does not divide the intermediate size I = {I}")
-    I_local = I // world_size
-    if I_local % BLOCK_K:
-        raise ValueError(f"tensor parallelism: I / world = {I}/{world_size} = {I_local} is not a multiple of {BLOCK_K} "
-                         "(each rank's W2 slice must hold whole K32 scale blocks)")
-    lo = rank * I_local
-    if w13_layout == "interleaved":  # even rows gate, odd rows up: one contiguous block of row pairs
-        rows = torch.arange(2 * lo, 2 * (lo + I_local))
-    else:  # gate_up or up_gate: the same block of each half, halves kept in their order
-        rows = torch.cat((torch.arange(lo, lo + I_local), torch.arange(I + lo, I + lo + I_local)))
-
-    def w13_rows(t):
-        return t.index_select(1, rows.to(t.device))
-
-    s13 = scales_as_uint8(w13_scale, "w13_scale")
-    s2 = scales_as_uint8(w2_scale, "w2_scale")
-    if s2.shape[-1] * BLOCK_K != I:
-        raise ValueError(f"w2_scale has shape {tuple(s2.shape)}, expected [E, H, I/32] with I = {I}")
-    out = dict(
-        w13=_move(w13_rows(w13), device),
-        w13_scale=_move(w13_rows(s13), device).view(w13_scale.dtype),
-        w2=_move(w2[:, :, lo // 2:(lo + I_local) // 2], device),
-        w2_scale=_move(s2[:, :, lo // BLOCK_K:(lo + I_local) // BLOCK_K], device).view(w2_scale.dtype),
-        w13_layout=w13_layout,
-        b13=None if b13 is None else _move(w13_rows(b13), device),
-        b2=None if (b2 is None or rank != 0) else _move(b2, device),
-        w13_global_scale=_move(w13_global_scale, device),
-        w2_global_scale=_move(w2_global_scale, device),
-    )
-    return out
-
-
-def ep_shard_weights(
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    *,
-    rank: int,
-    world_size: int,
-    w13_layout: str = "gate_up",
-    b13: Optional[torch.Tensor] = None,
-    b2: Optional[torch.Tensor] = None,
-    w13_global_scale: Optional[torch.Tensor] = None,
-    w2_global_scale: Optional[torch.Tensor] = None,
-    device=None,
-) -> dict:
-    """Rank ``rank``'s expert-parallel slice: experts ``[rank*E/w, (rank+1)*E/w)`` of every
-    per-expert tensor, as keyword arguments for :func:`mxmoe.prepare_weights`. Raises
-    ``ValueError`` when ``world_size`` does not divide ``E``."""
-    _check_shard_args(rank, world_size, w13_layout)
-    E, _, _ = _packed_shapes(w13, w13_scale, w2, w2_scale)
-    if E % world_size:
-        raise ValueError(f"expert parallelism: world size {world_size} does not divide the number of experts E = {E}")
-    n = E // world_size
-    lo = rank * n
-
-    def take(t):
-        return None if t is None else _move(t[lo:lo + n], device)
-
-    return dict(
-        w13=take(w13), w13_scale=take(w13_scale), w2=take(w2), w2_scale=take(w2_scale), w13_layout=w13_layout,
-        b13=take(b13), b2=take(b2), w13_global_scale=take(w13_global_scale), w2_global_scale=take(w2_global_scale),
-    )
-
-
-def ep_expert_map(num_experts: int, rank: int, world_size: int, device=None) -> torch.Tensor:
-    """int32 ``[num_experts]``: global id -> local id on ``rank`` (its contiguous block), -1 elsewhere."""
-    _check_world(rank, world_size)
-    if num_experts % world_size:
-        raise ValueError(f"expert parallelism: world size {world_size} does not divide the number of experts E = {num_experts}")
-    n = num_experts // world_size
-    m = torch.full((num_experts,), -1, dtype=torch.int32)
-    m[rank * n:(rank + 1) * n] = torch.arange(n, dtype=torch.int32)
-    return m if device is None else m.to(device)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -448,6 +304,16 @@ class TensorParallelMoE(_ParallelMoEBase):
 # ----------------------------------------------------------------------------- EP
 
 
+@dataclass
+class _Items:
+    """An expert-parallel forward's items (routes or (rank, token) pairs) grouped by destination rank."""
+    ids: torch.Tensor  # global expert id per route (int64)
+    valid: torch.Tensor  # per route: the id names an expert
+    order: torch.Tensor  # items sorted by destination rank (stable)
+    item_token: torch.Tensor  # the token of each item
+    send_counts: torch.Tensor  # items per destination rank (on device)
+
+
 class ExpertParallelMoE(_ParallelMoEBase):
     """Expert-parallel fused MoE: rank ``r`` of ``group`` holds experts
     ``[r*E/w, (r+1)*E/w)`` and its own tokens; ``forward`` dispatches routed rows to the
@@ -504,9 +370,7 @@ class ExpertParallelMoE(_ParallelMoEBase):
         arguments as :func:`mxmoe.fused_moe` (``expert_map`` must be None: the wrapper
         owns it). Collective. Returns BF16 ``[T_r, H]`` (in ``out`` if given), or
         ``(out, precision_that_ran)`` with ``return_precision=True``."""
-        dist, tl, world = self._dist, self.timeline, self.world_size
-        device = self.experts.device
-        E, n_local = self.global_num_experts, self.local_num_experts
+        tl, device = self.timeline, self.experts.device
         error, T, top_k, threshold = None, 0, 0, -1
         try:
             if expert_map is not None:
@@ -517,94 +381,110 @@ class ExpertParallelMoE(_ParallelMoEBase):
         except (ValueError, TypeError) as e:
             error = e
         tl.mark("start", device)
-
-        # --- routing, on device: one "item" per route (route mode) or per (rank, token) (token mode)
         if error is None:
-            ids = topk_ids.reshape(-1).long()
-            valid = (ids >= 0) & (ids < E)
-            owner = torch.where(valid, torch.div(ids, n_local, rounding_mode="floor"), torch.full_like(ids, world))
-            if self.dispatch == "route":
-                key = owner  # item r = t * top_k + k
-                item_token = torch.arange(T * top_k, device=device) // max(top_k, 1)
-            else:
-                need = torch.zeros(T, world + 1, dtype=torch.bool, device=device)
-                need.scatter_(1, owner.view(T, top_k), True)
-                ranks = torch.arange(world, device=device).unsqueeze(1).expand(world, T)
-                key = torch.where(need[:, :world].t(), ranks, torch.full_like(ranks, world)).reshape(-1)  # item r*T + t
-                item_token = torch.arange(T, device=device).repeat(world)
-            order = torch.sort(key, stable=True).indices  # items grouped by destination rank, stable inside
-            send_counts_dev = torch.bincount(key, minlength=world + 1)[:world]
+            items = self._items(topk_ids, T, top_k)
             fields = _call_fields(x.shape[1], top_k, precision, activation, swiglu_limit, swiglu_alpha, threshold)
-            status = _STATUS_OK
+            send_counts, recv_counts, global_tokens = self._headers(items.send_counts, _STATUS_OK, T, fields, error)
         else:
-            send_counts_dev = torch.zeros(world, dtype=torch.int64, device=device)
-            fields, status = [-1] * len(_CALL_FIELD_NAMES), _STATUS_BAD
-
-        # --- header exchange: row j goes to rank j = [count for j, status, T, E, dispatch, fields...]
-        info = torch.tensor([status, T, E, DISPATCH_MODES.index(self.dispatch), *fields], dtype=torch.int64, device=device)
-        send_hdr = torch.cat((send_counts_dev.unsqueeze(1), info.unsqueeze(0).expand(world, -1)), dim=1).contiguous()
-        recv_hdr = torch.empty_like(send_hdr)
-        dist.all_to_all_single(recv_hdr, send_hdr, group=self.group)
-        host = torch.cat((recv_hdr.reshape(-1), send_counts_dev)).tolist()  # the one host read of the forward
-        width = send_hdr.shape[1]
-        rows = [host[i * width:(i + 1) * width] for i in range(world)]
-        send_counts = host[world * width:]
-        recv_counts = [r[0] for r in rows]
-        # status, then everything but T (column 2) must agree
-        agree_rows = [[r[1]] + [r[3], r[4]] + r[5:] for r in rows]
-        _raise_if_disagree(agree_rows, ("global E", "dispatch") + _CALL_FIELD_NAMES, "ExpertParallelMoE.forward",
-                           error, self.rank)
-        global_rows = sum(r[2] for r in rows) * top_k
-        plan = plan_layer(global_rows, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
+            items = None
+            send_counts, recv_counts, global_tokens = self._headers(
+                torch.zeros(self.world_size, dtype=torch.int64, device=device), _STATUS_BAD, T,
+                [-1] * len(_CALL_FIELD_NAMES), error)  # (raises, on every rank)
+        plan = plan_layer(global_tokens * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
                           swiglu_alpha=swiglu_alpha)  # from the global rows: every rank the same
         tl.mark("header", device)
-        n_send, n_recv = sum(send_counts), sum(recv_counts)
-        H = x.shape[1]
-
-        # --- dispatch: token rows, then metadata (global ids, FP32 router-weight bits as int32)
-        sel = order[:n_send]
-        tok = item_token[sel]
-        x_send = x.index_select(0, tok)
-        weights32 = topk_weights.float()
-        if self.dispatch == "route":
-            flat_ids = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32)
-            meta_send = torch.stack((flat_ids[sel], weights32.reshape(-1)[sel].view(torch.int32)), dim=1)
-        else:
-            ids32 = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32).view(T, top_k)
-            meta_send = torch.cat((ids32.index_select(0, tok), weights32.view(torch.int32).index_select(0, tok)), dim=1)
-        meta_send = meta_send.contiguous()
-        x_recv = torch.empty(n_recv, H, dtype=torch.bfloat16, device=device)
-        meta_recv = torch.empty(n_recv, meta_send.shape[1], dtype=torch.int32, device=device)
-        dist.all_to_all_single(x_recv.view(torch.uint8), x_send.view(torch.uint8), recv_counts, send_counts, group=self.group)
-        dist.all_to_all_single(meta_recv, meta_send, recv_counts, send_counts, group=self.group)
+        x_recv, meta_recv = self._dispatch(x, topk_weights, items, send_counts, recv_counts, T, top_k)
         tl.mark("dispatched", device)
-
-        # --- local experts
-        k_recv = meta_send.shape[1] // 2
-        if n_recv:
+        k_recv = meta_recv.shape[1] // 2
+        if x_recv.shape[0]:
             ids_recv = meta_recv[:, :k_recv].contiguous()
             w_recv = meta_recv[:, k_recv:].contiguous().view(torch.float32)
             y = fused_moe(x_recv, self.experts, w_recv, ids_recv, activation=activation, swiglu_limit=swiglu_limit,
                           swiglu_alpha=swiglu_alpha, expert_map=self.expert_map, precision=plan.path,
                           workspace=workspace)
         else:
-            y = torch.empty(0, H, dtype=torch.bfloat16, device=device)
+            y = torch.empty(0, x.shape[1], dtype=torch.bfloat16, device=device)
         tl.mark("computed", device)
-
-        # --- combine: rows come back in send order; one extra zero row stands for "not sent"
-        back = torch.empty(n_send + 1, H, dtype=torch.bfloat16, device=device)
-        back[n_send].zero_()
-        dist.all_to_all_single(back[:n_send].view(torch.uint8), y.contiguous().view(torch.uint8), send_counts, recv_counts,
-                               group=self.group)
-        tl.mark("combined", device)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=device)
-        pos = inv.clamp(max=n_send)  # items not sent sort after all sent ones
-        # route mode: pos[t*top_k + k] -> [top_k, T]; token mode: pos[r*T + t] -> [world, T]
-        pos = pos.view(T, top_k).t().contiguous() if self.dispatch == "route" else pos.view(world, T)
-        acc = back.index_select(0, pos[0]).float() if pos.shape[0] else torch.zeros(T, H, device=device)
-        for j in range(1, pos.shape[0]):  # fixed order: k = 0..top_k-1 (route) or rank 0..world-1 (token), FP32
-            acc += back.index_select(0, pos[j]).float()
-        result = acc.to(torch.bfloat16) if out is None else out.copy_(acc)
+        result = self._combine(y, items, send_counts, recv_counts, T, top_k, out)
         tl.mark("end", device)
         return (result, plan.path) if return_precision else result
+
+    def _items(self, topk_ids: torch.Tensor, T: int, top_k: int) -> "_Items":
+        """Routing, on device: one item per route (route mode, item ``t * top_k + k``) or per (rank, token) (token
+        mode, item ``r * T + t``), grouped by destination rank (stable inside)."""
+        device, world = self.experts.device, self.world_size
+        ids = topk_ids.reshape(-1).long()
+        valid = (ids >= 0) & (ids < self.global_num_experts)
+        owner = torch.where(valid, torch.div(ids, self.local_num_experts, rounding_mode="floor"),
+                            torch.full_like(ids, world))
+        if self.dispatch == "route":
+            key = owner
+            item_token = torch.arange(T * top_k, device=device) // max(top_k, 1)
+        else:
+            need = torch.zeros(T, world + 1, dtype=torch.bool, device=device)
+            need.scatter_(1, owner.view(T, top_k), True)
+            ranks = torch.arange(world, device=device).unsqueeze(1).expand(world, T)
+            key = torch.where(need[:, :world].t(), ranks, torch.full_like(ranks, world)).reshape(-1)
+            item_token = torch.arange(T, device=device).repeat(world)
+        order = torch.sort(key, stable=True).indices
+        return _Items(ids, valid, order, item_token, torch.bincount(key, minlength=world + 1)[:world])
+
+    def _headers(self, send_counts_dev, status: int, T: int, fields: list, error) -> tuple[list, list, int]:
+        """The header exchange (row j to rank j: [count for j, status, T, E, dispatch, fields...]) and its one host
+        read; raises on every rank where a rank failed or the calls disagree. Returns (send counts, receive counts,
+        the tokens of all ranks)."""
+        world, device = self.world_size, self.experts.device
+        info = torch.tensor([status, T, self.global_num_experts, DISPATCH_MODES.index(self.dispatch), *fields],
+                            dtype=torch.int64, device=device)
+        send_hdr = torch.cat((send_counts_dev.unsqueeze(1), info.unsqueeze(0).expand(world, -1)), dim=1).contiguous()
+        recv_hdr = torch.empty_like(send_hdr)
+        self._dist.all_to_all_single(recv_hdr, send_hdr, group=self.group)
+        host = torch.cat((recv_hdr.reshape(-1), send_counts_dev)).tolist()  # the one host read of the forward
+        width = send_hdr.shape[1]
+        rows = [host[i * width:(i + 1) * width] for i in range(world)]
+        # status, then everything but T (column 2) must agree
+        agree_rows = [[r[1]] + [r[3], r[4]] + r[5:] for r in rows]
+        _raise_if_disagree(agree_rows, ("global E", "dispatch") + _CALL_FIELD_NAMES, "ExpertParallelMoE.forward",
+                           error, self.rank)
+        return host[world * width:], [r[0] for r in rows], sum(r[2] for r in rows)
+
+    def _dispatch(self, x, topk_weights, items: "_Items", send_counts: list, recv_counts: list, T: int,
+                  top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rows, then metadata (global ids, FP32 router-weight bits as int32), to the ranks that own them."""
+        device, H = self.experts.device, x.shape[1]
+        n_send, n_recv = sum(send_counts), sum(recv_counts)
+        sel = items.order[:n_send]
+        tok = items.item_token[sel]
+        x_send = x.index_select(0, tok)
+        weights32 = topk_weights.float()
+        flat_ids = torch.where(items.valid, items.ids, torch.full_like(items.ids, -1)).to(torch.int32)
+        if self.dispatch == "route":
+            meta_send = torch.stack((flat_ids[sel], weights32.reshape(-1)[sel].view(torch.int32)), dim=1)
+        else:
+            ids32 = flat_ids.view(T, top_k)
+            meta_send = torch.cat((ids32.index_select(0, tok), weights32.view(torch.int32).index_select(0, tok)), dim=1)
+        meta_send = meta_send.contiguous()
+        x_recv = torch.empty(n_recv, H, dtype=torch.bfloat16, device=device)
+        meta_recv = torch.empty(n_recv, meta_send.shape[1], dtype=torch.int32, device=device)
+        self._dist.all_to_all_single(x_recv.view(torch.uint8), x_send.view(torch.uint8), recv_counts, send_counts,
+                                     group=self.group)
+        self._dist.all_to_all_single(meta_recv, meta_send, recv_counts, send_counts, group=self.group)
+        return x_recv, meta_recv
+
+    def _combine(self, y, items: "_Items", send_counts: list, recv_counts: list, T: int, top_k: int, out):
+        """Rows come back in send order (one extra zero row stands for "not sent"); each token's sum in FP32 in a
+        fixed order: k = 0..top_k-1 (route mode) or rank 0..world-1 (token mode)."""
+        device, n_send, H = self.experts.device, sum(send_counts), y.shape[1]
+        back = torch.empty(n_send + 1, H, dtype=torch.bfloat16, device=device)
+        back[n_send].zero_()
+        self._dist.all_to_all_single(back[:n_send].view(torch.uint8), y.contiguous().view(torch.uint8), send_counts,
+                                     recv_counts, group=self.group)
+        self.timeline.mark("combined", device)
+        inv = torch.empty_like(items.order)
+        inv[items.order] = torch.arange(items.order.numel(), device=device)
+        pos = inv.clamp(max=n_send)  # items not sent sort after all sent ones
+        pos = pos.view(T, top_k).t().contiguous() if self.dispatch == "route" else pos.view(self.world_size, T)
+        acc = back.index_select(0, pos[0]).float() if pos.shape[0] else torch.zeros(T, H, device=device)
+        for j in range(1, pos.shape[0]):
+            acc += back.index_select(0, pos[j]).float()
+        return acc.to(torch.bfloat16) if out is None else out.copy_(acc)
