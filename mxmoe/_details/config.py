@@ -404,6 +404,21 @@ def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
                    promote_smem=False)
 
 
+# The Gluon entry kernels' runtime arguments, in bundles (tuples; each element specialized as a flat argument would be)
+ARG_BUNDLES = {
+    "a": ("a_ptr", "a_scale_ptr", "stride_a"),  # the activations (W4A8: E4M3 rows and their scales)
+    "w": ("w_ptr", "s_ptr", "ref_ptr", "gscale_ptr", "bias_ptr"),  # the prepared weights of one GEMM
+    "pack": ("sorted_routes_ptr", "tile_expert_ptr", "num_tiles_ptr"),  # the route pack
+    "out": ("out_ptr", "stride_out", "topk_weights_ptr"),  # the output rows and the routing weights
+    "dims": ("N", "K", "top_k", "limit", "alpha"),  # sizes and the activation's parameters
+}
+SMALL_ARG_BUNDLES = {  # the small-tile kernel's besides
+    "direct": ("ids_ptr", "expert_map_ptr", "num_global", "num_experts"),  # the direct path: routes without a pack
+    "joins": ("sum_out_ptr", "stride_sum_out", "counters_ptr", "parts_ptr"),  # top-k sum in GEMM2, K parts' sums
+    "fold_ptr": ("fold_ptr", ),  # W4A8: the experts whose scales fold (passed alone, not as a tuple)
+}
+
+
 def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
     """The small-tile or wide kernel's constexprs for ``cfg`` besides the common ones (its launch's, and
     ``sm90.compile_gemm``'s). ``SPLIT_REGS``: the second warpgroup's registers per thread (K split, wide tiles), the

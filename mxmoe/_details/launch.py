@@ -84,11 +84,17 @@ def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
                 num_warps=cfg.num_warps)
     if not cfg.wide:  # (W4A16 only)
         meta.update(FP8=fp8)
+    args = [a, a_scale if a_scale is not None else w_ref, a.stride(0),
+            w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
+            *((w_ref, w_ref, w_ref) if direct else (pack.sorted_routes, pack.tile_expert, pack.num_tiles)),
+            out, out.stride(0), topk_weights,
+            n, k, top_k, limit, alpha]
     if cfg.kernel == "triton":
         kernel = moe_gemm_kernel
         meta.update(PURE=interpreting())
-    else:  # the Gluon kernels (no interpreter form)
+    else:  # the Gluon kernels (no interpreter form), their arguments in bundles (config.ARG_BUNDLES)
         kernel = gluon_kernel(cfg.kernel, cfg.wide)
+        args = [tuple(args[0:3]), tuple(args[3:8]), tuple(args[8:11]), tuple(args[11:14]), tuple(args[14:19])]
         meta.update(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.maxnreg:
             meta.update(maxnreg=cfg.maxnreg)
@@ -98,35 +104,31 @@ def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
             pdl = pdl_launch(out.device, kernel_arg=False)
             meta.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
             if not cfg.wide:
-                meta.update(_small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg, direct, fold, fold_path))
-    compiled = kernel[grid](
-        a, a_scale if a_scale is not None else w_ref, a.stride(0),
-        w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
-        *((w_ref, w_ref, w_ref) if direct else (pack.sorted_routes, pack.tile_expert, pack.num_tiles)),
-        out, out.stride(0), topk_weights,
-        n, k, top_k, limit, alpha, **meta,
-    )
+                small_args, small_meta = _small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg, direct, fold, fold_path)
+                args += small_args
+                meta.update(small_meta)
+    compiled = kernel[grid](*args, **meta)
     if cfg.kernel == "gluon_small" and not (cfg.wide or direct or cfg.k_split > 1):
         _no_shared_preference(compiled)
 
 
 def _small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes], fold,
-                     fold_path: bool) -> dict:
-    """The small-tile kernel's arguments of the direct path, the K parts and W4A8's fold flags (placeholders where
-    they do not apply: the kernel takes them always)."""
-    args = dict(ids_ptr=w_ref, expert_map_ptr=w_ref, num_global=0, num_experts=0, sum_out_ptr=out, stride_sum_out=0,
-                counters_ptr=w_ref, parts_ptr=direct.part_sums if direct else out, fold_ptr=fold if fp8 else w_ref,
-                FOLD=fold_path)
+                     fold_path: bool) -> tuple[list, dict]:
+    """The small-tile kernel's bundles of the direct path and the K parts (``config.SMALL_ARG_BUNDLES``; placeholders
+    where they do not apply: the kernel takes them always), W4A8's fold flags, and their constexprs."""
+    routes = (w_ref, w_ref, 0, 0)
+    joins = [out, 0, w_ref, direct.part_sums if direct else out]
+    meta = dict(FOLD=fold_path)
     if direct:
-        args.update(DIRECT=True, ids_ptr=direct.topk_ids, num_global=direct.num_global, num_experts=direct.num_experts,
-                    HAS_MAP=direct.expert_map is not None,
-                    expert_map_ptr=direct.expert_map if direct.expert_map is not None else direct.topk_ids)
+        emap = direct.expert_map if direct.expert_map is not None else direct.topk_ids
+        routes = (direct.topk_ids, emap, direct.num_global, direct.num_experts)
+        meta.update(DIRECT=True, HAS_MAP=direct.expert_map is not None)
         if direct.sum_out is not None and not gemm1:
-            args.update(SUM_ROUTES=True, sum_out_ptr=direct.sum_out, stride_sum_out=direct.sum_out.stride(0),
-                        counters_ptr=direct.counters, TOP_K=top_k)
+            joins[0:3] = direct.sum_out, direct.sum_out.stride(0), direct.counters
+            meta.update(SUM_ROUTES=True, TOP_K=top_k)
         if cfg.k_parts == 2:
-            args.update(counters_ptr=direct.part_counters)
-    return args
+            joins[2] = direct.part_counters
+    return [routes, tuple(joins), fold if fp8 else w_ref], meta
 
 
 _L1_SET: set = set()  # CUfunction handles _no_shared_preference has seen

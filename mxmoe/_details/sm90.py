@@ -88,9 +88,19 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
             # every constexpr given (Triton 3.8 takes no defaults here); direct: with an expert map and, GEMM2, the
             # top-k sum (``Overrides.direct_sum``) of 8 routes per token
             const.update(DIRECT=direct, HAS_MAP=direct, SUM_ROUTES=direct and not gemm1, TOP_K=8 if direct else 0)
-    names = list(kernel.arg_names)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-             if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
+    if cfg.kernel != "triton":  # the arguments in bundles (``config.ARG_BUNDLES``, as the launch passes them)
+        from .config import ARG_BUNDLES, SMALL_ARG_BUNDLES
+
+        bundles = dict(ARG_BUNDLES, **(SMALL_ARG_BUNDLES if "fold_ptr" in sig else {}))
+        flat = sig
+        sig = {b: flat[names[0]] if b == "fold_ptr" else tuple(flat[n] for n in names) for b, names in bundles.items()}
+        attrs = {((i, j) if b != "fold_ptr" else (i, )): [["tt.divisibility", 16]]
+                 for i, (b, names) in enumerate(bundles.items())
+                 for j, n in enumerate(names) if flat[n].startswith("*") or n in _INT_ARGS_DIVISIBLE}
+    else:
+        names = list(kernel.arg_names)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+                 if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
     sig.update({c: "constexpr" for c in const})
     options = dict(num_warps=cfg.num_warps)
     if cfg.maxnreg:

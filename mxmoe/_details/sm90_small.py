@@ -445,12 +445,7 @@ def _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, so
 
 @gluon.jit
 def moe_gemm_small_kernel(
-    a_ptr, a_scale_ptr, stride_a,
-    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
-    out_ptr, stride_out, topk_weights_ptr,
-    N, K, top_k, limit, alpha,
-    ids_ptr, expert_map_ptr, num_global, num_experts, sum_out_ptr, stride_sum_out, counters_ptr, parts_ptr, fold_ptr,
+    a, w, pack, out, dims, direct, joins, fold_ptr,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -472,8 +467,9 @@ def moe_gemm_small_kernel(
     registers per thread (the launch's ``maxnreg``). ``PAIR`` (GEMM2): a
     program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
     wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
-    row blocks' unit, ``prepare.row_block_unit(K)``. ``ids_ptr`` .. ``parts_ptr``: the direct path's arguments
-    (passed always, placeholders without it: Triton 3.8 refuses runtime arguments left to a default).
+    row blocks' unit, ``prepare.row_block_unit(K)``. Arguments in the bundles of ``config.ARG_BUNDLES`` and
+    ``SMALL_ARG_BUNDLES`` (``direct``, ``joins``: the direct path's and the K parts' arguments, passed always,
+    placeholders where they do not apply: Triton 3.8 refuses runtime arguments left to a default).
     ``DIRECT`` (a few tokens): no route pack; program column t takes route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with ``HAS_MAP``, as the pack would mask
     it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked route, so the top-k sum
     needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last program of each
@@ -488,6 +484,13 @@ def moe_gemm_small_kernel(
     ``SUB_TILES`` = 2 (GEMM2 on a pack of the wide GEMM1's 256-row tiles): program column t takes rows ``t * BT ..`` of
     tile t // 2, and none where that half holds no routed row. ``SPLIT_LOOP`` (W4A16): the K loop's steps that refill
     within the program run untested (``_small_steps``)."""
+    a_ptr, a_scale_ptr, stride_a = a
+    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
+    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
+    out_ptr, stride_out, topk_weights_ptr = out
+    N, K, top_k, limit, alpha = dims
+    ids_ptr, expert_map_ptr, num_global, num_experts = direct
+    sum_out_ptr, stride_sum_out, counters_ptr, parts_ptr = joins
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))

@@ -449,11 +449,7 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
 
 @gluon.jit
 def moe_gemm_wide_kernel(
-    a_ptr, a_scale_ptr, stride_a,
-    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
-    out_ptr, stride_out, topk_weights_ptr,
-    N, K, top_k, limit, alpha,
+    a, w, pack, out, dims,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr,
@@ -461,7 +457,14 @@ def moe_gemm_wide_kernel(
     """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
     one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
     32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2 launched with PDL):
-    its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s)."""
+    its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s). Arguments in the bundles
+    of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack`` the route pack, ``out`` the output,
+    ``dims`` the sizes and activation parameters."""
+    a_ptr, a_scale_ptr, stride_a = a
+    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
+    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
+    out_ptr, stride_out, topk_weights_ptr = out
+    N, K, top_k, limit, alpha = dims
     gl.static_assert(BM == 64 and BT == 256 and gl.num_warps() == 4)
     gl.static_assert(not EARLY_WEIGHTS or not GEMM1)
     if not EARLY_WEIGHTS:

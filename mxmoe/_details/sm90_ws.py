@@ -198,11 +198,7 @@ def _mma_and_epilogue(ref_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride
 
 @gluon.jit
 def moe_gemm_ws_kernel(
-    a_ptr, a_scale_ptr, stride_a,
-    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr,
-    out_ptr, stride_out, topk_weights_ptr,
-    N, K, top_k, limit, alpha,
+    a, w, pack, out, dims,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -212,7 +208,13 @@ def moe_gemm_ws_kernel(
     """The ``moe_gemm_kernel`` contract on sm90 for W4A16 (see the module docstring); requires
     ``N % BM == 0`` and ``K % BK == 0``. Persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, weight-row block) tiles ``program_id, + num_programs, ...`` with one
-    stage ring across its tiles (a tile's epilogue overlaps the next tile's loads and conversion)."""
+    stage ring across its tiles (a tile's epilogue overlaps the next tile's loads and conversion). Arguments in the
+    bundles of ``config.ARG_BUNDLES``."""
+    a_ptr, a_scale_ptr, stride_a = a
+    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
+    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
+    out_ptr, stride_out, topk_weights_ptr = out
+    N, K, top_k, limit, alpha = dims
     gl.static_assert(not FP8)
     first = gl.program_id(0)
     stride = gl.num_programs(0)
