@@ -366,11 +366,11 @@ def test_small_w4a16_tiles_split_their_k_loop_from_16_steps():
     def cfg(rows, n, k, fp8=False, gemm1=True, override=None):
         return gemm_config(rows, 288, n, k, fp8, override, kernel="gluon_small", gemm1=gemm1, sm_count=132)
 
-    assert SPLIT_LOOP_MIN_STEPS == 16
     for rows in (8, 128, 8192, 16384, 32768):
         g1, g2 = cfg(rows, 1024, 4096), cfg(rows, 4096, 1024, gemm1=False)
-        assert g1.split_loop and (g1.k_split == 2 or g1.block_k * 16 <= 4096)
-        assert g2.split_loop is (1024 // g2.block_k >= 16)  # 16-row GEMM2 tiles take 128-K steps: 8, not split
+        assert g1.split_loop and (g1.k_split == 2 or g1.block_k * SPLIT_LOOP_MIN_STEPS <= 4096)
+        # (16-row GEMM2 tiles take 128-K steps: 8, not split)
+        assert g2.split_loop is (1024 // g2.block_k >= SPLIT_LOOP_MIN_STEPS)
         assert not cfg(rows, 1024, 4096, fp8=True).split_loop
         assert not cfg(rows, 4096, 1024, fp8=True, gemm1=False).split_loop
     assert not cfg(128, 4096, 1024, gemm1=False).split_loop  # 16-row tiles, 8 steps of 128 K
