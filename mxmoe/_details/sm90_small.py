@@ -4,6 +4,33 @@ words of the prepared weights and converts them in registers, no shared-memory r
 weights; two accumulator chains (GEMM1's gate and up halves, GEMM2's two row blocks with ``PAIR``) let one convert
 while the other's MMA runs; for decode grids smaller than the SM count two warpgroups split the K steps; for a few
 W4A16 tokens no route pack (a tile per route, the experts from the top-k ids) and GEMM2 also does the top-k sum.
+
+The entry kernel ``moe_gemm_small_kernel``: the ``moe_gemm_kernel`` contract for small route tiles, one warpgroup
+(``num_warps=4``, ``BM = 64``): a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the
+gathered activation rows); each thread reads the packed bytes of exactly its wgmma register-operand words
+(``prepare.interleave_block_bits``) and converts them in registers. W4A16: BF16 with the block scale folded (K-ordered
+asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): see ``FOLD``; without it E2M1 * 2**-5 in E4M3 (exact),
+one FP8 wgmma per K32 block from zero, its partial sum times the block's 2**(b - 122) into the FP32 accumulators
+(exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the SM count): a second warpgroup runs the
+second half of the K steps on its own ring, with ``SPLIT_REGS`` registers per thread (the launch's ``maxnreg``).
+``PAIR`` (GEMM2): a program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators,
+one wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared row
+blocks' unit, ``prepare.row_block_unit(K)``. Arguments in the bundles of ``config.ARG_BUNDLES`` and
+``SMALL_ARG_BUNDLES`` (``direct``, ``joins``: the direct path's and the K parts' arguments, passed always,
+placeholders where they do not apply: Triton 3.8 refuses runtime arguments left to a default). ``DIRECT`` (a few
+tokens): no route pack; program column t takes route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with
+``HAS_MAP``, as the pack would mask it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked
+route, so the top-k sum needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last
+program of each (token, column block) also sums the token's routed rows into ``sum_out_ptr``
+(``_sum_routes_if_last``), so no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose grid fills the SMs
+unevenly): grid axis 2 splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` /
+``counters_ptr``. W4A8 ``FOLD`` (the fast path, ``fold_ptr``: the experts' ``PreparedExperts.w13_fold`` /
+``w2_fold``): each block's scale folded into its E4M3 weights (``convert.E2M1X8_TO_E4M3_TABLE_ASM``), the FP8
+accumulator chained over K (``PROMOTE`` = P > 0: over P steps at a time, each such sum added to FP32 accumulators, in
+shared memory with ``PROMOTE_SMEM``), 2**(ref - 133) per row after it; only the tiles of experts whose flag is 1, and
+without ``FOLD`` only those whose flag is 0. ``SUB_TILES`` = 2 (GEMM2 on a pack of the wide GEMM1's 256-row tiles):
+program column t takes rows ``t * BT ..`` of tile t // 2, and none where that half holds no routed row. ``SPLIT_LOOP``
+(W4A16): the K loop's steps that refill within the program run untested (``_small_steps``).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -456,34 +483,7 @@ def moe_gemm_small_kernel(
     SUB_TILES: gl.constexpr = 1, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
     PROMOTE: gl.constexpr = 0, PROMOTE_SMEM: gl.constexpr = False,
 ):
-    """The ``moe_gemm_kernel`` contract for small route tiles, one warpgroup (``num_warps=4``, ``BM = 64``):
-    a ring of ``NUM_STAGES`` ``cp.async`` stages (packed weights of both halves and the gathered
-    activation rows); each thread reads the packed bytes of exactly its wgmma register-operand words
-    (``prepare.interleave_block_bits``) and converts them in registers. W4A16: BF16 with the block
-    scale folded (K-ordered asm), one wgmma per half and step. W4A8 (``BK`` 32, 64 or 128): see ``FOLD``; without
-    it E2M1 * 2**-5 in E4M3 (exact), one FP8 wgmma per K32 block from zero, its partial sum times the block's
-    2**(b - 122) into the FP32 accumulators (exact for any span of scales). ``KSPLIT=2`` (decode grids smaller than the
-    SM count): a second warpgroup runs the second half of the K steps on its own ring, with ``SPLIT_REGS``
-    registers per thread (the launch's ``maxnreg``). ``PAIR`` (GEMM2): a
-    program takes two 64-row weight blocks as GEMM1 takes its gate and up halves (two accumulators, one
-    wgmma each per step), so one block's conversion runs while the other's MMA does. ``W_UNIT``: the prepared
-    row blocks' unit, ``prepare.row_block_unit(K)``. Arguments in the bundles of ``config.ARG_BUNDLES`` and
-    ``SMALL_ARG_BUNDLES`` (``direct``, ``joins``: the direct path's and the K parts' arguments, passed always,
-    placeholders where they do not apply: Triton 3.8 refuses runtime arguments left to a default).
-    ``DIRECT`` (a few tokens): no route pack; program column t takes route t alone (its expert from ``ids_ptr``, ``expert_map_ptr`` with ``HAS_MAP``, as the pack would mask
-    it), in the first slot of a tile of its own; GEMM2 writes zeros for a masked route, so the top-k sum
-    needs no slot list. ``SUM_ROUTES`` (direct GEMM2; ``TOP_K`` routes per token): the last program of each
-    (token, column block) also sums the token's routed rows into ``sum_out_ptr`` (``_sum_routes_if_last``), so
-    no top-k-sum launch follows. ``K_PARTS=2`` (direct GEMM1 whose grid fills the SMs unevenly): grid axis 2
-    splits the K steps over two programs, joined by ``_join_k_parts`` in ``parts_ptr`` / ``counters_ptr``.
-    W4A8 ``FOLD`` (the fast path, ``fold_ptr``: the experts' ``PreparedExperts.w13_fold`` / ``w2_fold``): each block's
-    scale folded into its E4M3 weights (``convert.E2M1X8_TO_E4M3_TABLE_ASM``), the FP8 accumulator chained over K
-    (``PROMOTE`` = P > 0: over P steps at a time, each such sum added to FP32 accumulators, in shared memory with
-    ``PROMOTE_SMEM``), 2**(ref - 133) per row after it; only the tiles of
-    experts whose flag is 1, and without ``FOLD`` only those whose flag is 0.
-    ``SUB_TILES`` = 2 (GEMM2 on a pack of the wide GEMM1's 256-row tiles): program column t takes rows ``t * BT ..`` of
-    tile t // 2, and none where that half holds no routed row. ``SPLIT_LOOP`` (W4A16): the K loop's steps that refill
-    within the program run untested (``_small_steps``)."""
+    """The ``moe_gemm_kernel`` contract for small route tiles on one warpgroup; its flags: the module docstring."""
     a_ptr, a_scale_ptr, stride_a = a
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
