@@ -158,6 +158,35 @@ def _prologue(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, fir
 
 
 @gluon.jit
+def _fp8_step(packed, act, loaded, s, i, num_steps, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g, acc_u, pg, pu,
+              total, zero, sb, NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+              U: gl.constexpr, DOT: gl.constexpr, ROWS: gl.constexpr, SC: gl.constexpr, MMA: gl.constexpr,
+              FOLD: gl.constexpr, PROMOTE: gl.constexpr, PROMOTE_SMEM: gl.constexpr):
+    """One W4A8 K step from ring stage ``s``: the fast path (``_folded_step``; with ``PROMOTE`` its chains' sums go
+    to the FP32 accumulators every P steps, in shared memory ``total`` with ``PROMOTE_SMEM``, where the chains'
+    registers are all there is room for: the last chain is added after the loop), else the exact one."""
+    mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
+    act_s = act.index(s)
+    if FOLD:  # the blocks' scales in the E4M3 weights: one wgmma chain per half
+        acc_g, acc_u, pg, pu = _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g,
+                                            acc_u, pg, pu, NH, BM, BK, U, DOT, PROMOTE)
+        if PROMOTE > 0:
+            if PROMOTE_SMEM:
+                if ((i + 1) % PROMOTE == 0) & (i + 1 < num_steps):
+                    total.index(0).store(total.index(0).load(MMA) + pg)
+                    if NH == 2:
+                        total.index(1).store(total.index(1).load(MMA) + pu)
+            elif ((i + 1) % PROMOTE == 0) | (i + 1 == num_steps):
+                acc_g += pg
+                if NH == 2:
+                    acc_u += pu
+    else:  # unfolded (rows of wider spans): each block's partial sum times its scale in FP32
+        acc_g, acc_u, pg, pu = _unfolded_step(packed, act_s, s, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g,
+                                              acc_u, zero, sb, NH, BM, BK, U, DOT, ROWS, SC)
+    return acc_g, acc_u, pg, pu
+
+
+@gluon.jit
 def _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g, acc_u, pg, pu,
                  NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, DOT: gl.constexpr,
                  PROMOTE: gl.constexpr):
@@ -284,6 +313,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     acc_u = zero
     pg = zero  # W4A8 with PROMOTE: the FP8 chains' sums since their last promotion
     pu = zero
+    total = zero  # (a placeholder: shared memory only with PROMOTE_SMEM)
     if PROMOTE_SMEM:  # ... and the FP32 sums of the earlier chains in shared memory (``pg``, ``pu`` the accumulators)
         # (2-float pieces swizzled by row: a warp's accumulator registers, 8 rows x 4 pieces, hit 8 different banks
         # pairs instead of one 8 ways)
@@ -352,27 +382,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                         if NH == 2:
                             sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
                     if FP8:
-                        mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-                        act_s = act.index(s)
-                        if FOLD:  # the blocks' scales in the E4M3 weights: one wgmma chain per half
-                            acc_g, acc_u, pg, pu = _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g,
-                                                                tlo_u, thi_u, acc_g, acc_u, pg, pu, NH, BM, BK, U, DOT,
-                                                                PROMOTE)
-                            if PROMOTE > 0:
-                                if PROMOTE_SMEM:  # the FP32 sums in shared memory (the chains' registers are all
-                                    # there is room for); the last chain is added after the loop
-                                    if ((i + 1) % PROMOTE == 0) & (i + 1 < num_steps):
-                                        total.index(0).store(total.index(0).load(MMA) + pg)
-                                        if NH == 2:
-                                            total.index(1).store(total.index(1).load(MMA) + pu)
-                                elif ((i + 1) % PROMOTE == 0) | (i + 1 == num_steps):
-                                    acc_g += pg
-                                    if NH == 2:
-                                        acc_u += pu
-                        else:  # unfolded (rows of wider spans): each block's partial sum times its scale in FP32
-                            acc_g, acc_u, pg, pu = _unfolded_step(packed, act_s, s, cur_sg, cur_su, tlo_g, thi_g, tlo_u,
-                                                                  thi_u, acc_g, acc_u, zero, sb, NH, BM, BK, U, DOT,
-                                                                  ROWS, SC)
+                        acc_g, acc_u, pg, pu = _fp8_step(packed, act, loaded, s, i, num_steps, cur_sg, cur_su, tlo_g,
+                                                         thi_g, tlo_u, thi_u, acc_g, acc_u, pg, pu, total, zero, sb,
+                                                         NH, BM, BK, NUM_STAGES, U, DOT, ROWS, SC, MMA, FOLD, PROMOTE,
+                                                         PROMOTE_SMEM)
                     else:
                         # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no
                         # clamp (the field is in [0, 254])
