@@ -244,11 +244,21 @@ def _unfolded_step(packed, act_s, s, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u,
 
 
 @gluon.jit
-def _bf16_step(packed, act, loaded, s, i, num_steps, codes_g, codes_u, f_g, f_u, acc_g, acc_u, TAIL: gl.constexpr,
-               NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, U: gl.constexpr,
-               WL: gl.constexpr, DOT: gl.constexpr, PAIRED: gl.constexpr):
-    """One K step of W4A16: the next step's codes loaded (shared) while this step's, converted with factors ``f``,
-    go to the MMA; returns the accumulators and the next codes."""
+def _bf16_step(packed, act, loaded, s, i, num_steps, codes_g, codes_u, cur_wg, cur_wu, cur_sg, cur_su, fac0_g, fac0_u,
+               acc_g, acc_u, g: gl.constexpr, TAIL: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr,
+               BK: gl.constexpr, NUM_STAGES: gl.constexpr, U: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr,
+               SC: gl.constexpr, PAIRED: gl.constexpr, SCALE_WORDS: gl.constexpr):
+    """One K step of W4A16 (step ``g`` of its scale word's group): the next step's codes loaded (shared) while this
+    step's, converted with the block factors, go to the MMA; returns the accumulators and the next codes."""
+    NB: gl.constexpr = BK // 32
+    # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no clamp (the field
+    # is in [0, 254])
+    if SCALE_WORDS:
+        f_g = _scale_word_factors(cur_wg, g * NB, fac0_g, NB, SC)
+        f_u = _scale_word_factors(cur_wu, g * NB, fac0_u, NB, SC)
+    else:
+        f_g = cur_sg * 0x00800080 + fac0_g
+        f_u = cur_su * 0x00800080 + fac0_u
     cur_g = codes_g
     cur_u = codes_u
     if TAIL == 0 or i + 1 < num_steps:
@@ -387,17 +397,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                                                          NH, BM, BK, NUM_STAGES, U, DOT, ROWS, SC, MMA, FOLD, PROMOTE,
                                                          PROMOTE_SMEM)
                     else:
-                        # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no
-                        # clamp (the field is in [0, 254])
-                        if SCALE_WORDS:
-                            f_g = _scale_word_factors(cur_wg, g * NB, fac0_g, NB, SC)
-                            f_u = _scale_word_factors(cur_wu, g * NB, fac0_u, NB, SC)
-                        else:
-                            f_g = cur_sg * 0x00800080 + fac0_g
-                            f_u = cur_su * 0x00800080 + fac0_u
                         acc_g, acc_u, codes_g, codes_u = _bf16_step(packed, act, loaded, s, i, num_steps, codes_g,
-                                                                    codes_u, f_g, f_u, acc_g, acc_u, TAIL, NH, BM, BK,
-                                                                    NUM_STAGES, U, WL, DOT, PAIRED)
+                                                                    codes_u, cur_wg, cur_wu, cur_sg, cur_su, fac0_g,
+                                                                    fac0_u, acc_g, acc_u, g, TAIL, NH, BM, BK,
+                                                                    NUM_STAGES, U, WL, DOT, SC, PAIRED, SCALE_WORDS)
     if PROMOTE_SMEM:
         acc_g = total.index(0).load(MMA) + pg
         if NH == 2:
