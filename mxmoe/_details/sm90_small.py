@@ -158,6 +158,21 @@ def _prologue(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, fir
 
 
 @gluon.jit
+def _first_codes(packed, loaded, NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+                 U: gl.constexpr, WL: gl.constexpr):
+    """W4A16: the first step's codes of both halves (a step's codes are loaded during the step before); W4A8: none."""
+    NB: gl.constexpr = BK // 32
+    codes_g = gl.zeros([BM, NB, 4], gl.int32, WL)
+    codes_u = codes_g
+    if not FP8:
+        mbarrier.wait(loaded.index(0), 0)
+        codes_g = _fragment_words(packed.index(0), BM, BK, WL, U)
+        if NH == 2:
+            codes_u = _fragment_words(packed.index(1), BM, BK, WL, U)
+    return codes_g, codes_u
+
+
+@gluon.jit
 def _fp8_step(packed, act, loaded, s, i, num_steps, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g, acc_u, pg, pu,
               total, zero, sb, NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
               U: gl.constexpr, DOT: gl.constexpr, ROWS: gl.constexpr, SC: gl.constexpr, MMA: gl.constexpr,
@@ -351,14 +366,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
         sc_g = gl.load(s_ptrs).to(gl.int32)
         if NH == 2:
             sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
-    # W4A16: a step's codes are loaded (shared) during the step before
-    codes_g = gl.zeros([BM, NB, 4], gl.int32, WL)
-    codes_u = codes_g
-    if not FP8:
-        mbarrier.wait(loaded.index(0), 0)
-        codes_g = _fragment_words(packed.index(0), BM, BK, WL, U)
-        if NH == 2:
-            codes_u = _fragment_words(packed.index(1), BM, BK, WL, U)
+    codes_g, codes_u = _first_codes(packed, loaded, NH, FP8, BM, BK, U, WL)
     # ``SPLIT_LOOP``: the K loop in two parts, first the scale-word groups all of whose steps refill the ring, load the
     # next codes and the next scale word within these steps (no per-step tests: each costs instructions in every step),
     # then the last ones (at most NUM_STAGES - 1 steps, rounded up to a group), tested; else the tested loop alone
