@@ -158,6 +158,26 @@ def _prologue(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, fir
 
 
 @gluon.jit
+def _bf16_row_addends(ref_ptr, w_row0, half_rows, sm, NH: gl.constexpr):
+    """W4A16's per-row addend of the block factors (``_fold_addend``) of both halves."""
+    fac0_g = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
+    fac0_u = fac0_g
+    if NH == 2:
+        fac0_u = _fold_addend(_fold_ref(ref_ptr + w_row0 + half_rows + sm))
+    return fac0_g, fac0_u
+
+
+@gluon.jit
+def _promoted_sums(zero, NH: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr):
+    """Shared memory for W4A8's FP32 sums of the promoted chains, zeroed (2-float pieces swizzled by row: a warp's
+    accumulator registers, 8 rows x 4 pieces, hit 8 different bank pairs instead of one 8 ways)."""
+    total = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
+    for h in gl.static_range(NH):
+        total.index(h).store(zero)
+    return total
+
+
+@gluon.jit
 def _first_codes(packed, loaded, NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                  U: gl.constexpr, WL: gl.constexpr):
     """W4A16: the first step's codes of both halves (a step's codes are loaded during the step before); W4A8: none."""
@@ -326,10 +346,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     if FP8:
         tlo_g, thi_g, tlo_u, thi_u = _e4m3_row_addends(ref_ptr, w_row0, half_rows, sm, NH, FOLD, BM, SC)
     else:
-        fac0_g = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
-        fac0_u = fac0_g
-        if NH == 2:
-            fac0_u = _fold_addend(_fold_ref(ref_ptr + w_row0 + half_rows + sm))
+        fac0_g, fac0_u = _bf16_row_addends(ref_ptr, w_row0, half_rows, sm, NH)
     _prologue(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, first_step, num_steps, NH, BK, U,
               NUM_STAGES, EARLY_WEIGHTS)
 
@@ -340,11 +357,7 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     pu = zero
     total = zero  # (a placeholder: shared memory only with PROMOTE_SMEM)
     if PROMOTE_SMEM:  # ... and the FP32 sums of the earlier chains in shared memory (``pg``, ``pu`` the accumulators)
-        # (2-float pieces swizzled by row: a warp's accumulator registers, 8 rows x 4 pieces, hit 8 different banks
-        # pairs instead of one 8 ways)
-        total = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
-        for h in gl.static_range(NH):
-            total.index(h).store(zero)
+        total = _promoted_sums(zero, NH, BM, BT)
     # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
     # row and G = 4/NB steps (one-byte loads per step crowd the memory-instruction queue, docs/perf-notes.md step 10),
     # W4A8 taking its bytes out by shifts, W4A16 its factors (``_scale_word_factors``: two blocks' per word where NB is
