@@ -30,7 +30,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .moe import fused_moe, kernel_backend, validate_moe_args
+from .moe import fused_moe, validate_moe_args
+from .op import kernel_backend
 from .prepare import PreparedExperts
 from .activation import apply_activation
 from .reference import decode_expert, quantize_rows_fp8, relative_l2

@@ -17,16 +17,10 @@ from typing import Optional
 
 import torch
 
-from ._details import interpreting
 from .op import expert_tensors, workspace_handle
 from .prepare import PreparedExperts, check_layout_version
 from .activation import ACTIVATIONS
 from .selection import PRECISIONS, select_precision
-
-
-def kernel_backend(device: torch.device) -> str:
-    """``"triton"`` where the kernels run (CUDA, or CPU under the interpreter), else ``"reference"``."""
-    return "triton" if device.type == "cuda" or interpreting() else "reference"
 
 
 def _check_tensor(t, name, dtypes, dim, device):

@@ -26,26 +26,19 @@ validated by :func:`mxmoe.fused_moe` before the op; the op itself checks what ne
 """
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Optional
 
 import torch
 
+from ._details import interpreting
 from .prepare import PreparedExperts
 from .reference import fused_moe_reference
 from .selection import plan_layer
+from .workspace import lookup_workspace
 
-_WORKSPACES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_NEXT_HANDLE = itertools.count()
-
-
-def register_workspace(workspace) -> int:
-    """A new handle for ``workspace`` (a Workspace or a WorkspacePlan takes one when it is created): valid while it
-    lives. The op resolves it with ``for_call(experts, tokens, top_k, fp8)``."""
-    handle = next(_NEXT_HANDLE)
-    _WORKSPACES[handle] = workspace
-    return handle
+def kernel_backend(device: torch.device) -> str:
+    """``"triton"`` where the kernels run (CUDA, or CPU under the interpreter), else ``"reference"``."""
+    return "triton" if device.type == "cuda" or interpreting() else "reference"
 
 
 def workspace_handle(workspace) -> int:
@@ -94,11 +87,9 @@ def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: tor
     plan = plan_layer(T * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
                       swiglu_alpha=swiglu_alpha)
     experts = _experts(weights, extras, all_fold)
-    scratch = _WORKSPACES.get(workspace) if workspace != -1 else None  # a Workspace or a WorkspacePlan
+    scratch = lookup_workspace(workspace) if workspace != -1 else None  # a Workspace or a WorkspacePlan
     if workspace != -1 and scratch is None:
         raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
-    from .moe import kernel_backend
-
     ws = None if scratch is None else scratch.for_call(experts, T, top_k, plan.fp8)  # (checked also on the CPU)
     if kernel_backend(x.device) == "triton":
         from ._details.launch import run_fused_moe

@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -12,6 +14,22 @@ from ._details.config import DIRECT_MAX_TOKENS, pack_tile_heights
 from .prepare import PreparedExperts
 from .routing import ROUTE_SUBS, route_pack_capacity
 from .selection import fp8_min_rows
+
+_WORKSPACES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count()
+
+
+def register_workspace(workspace) -> int:
+    """A new handle for ``workspace`` (a Workspace or a WorkspacePlan takes one when it is created): valid while it
+    lives. The op resolves it with ``for_call(experts, tokens, top_k, fp8)``."""
+    handle = next(_NEXT_HANDLE)
+    _WORKSPACES[handle] = workspace
+    return handle
+
+
+def lookup_workspace(handle: int):
+    """The live Workspace or WorkspacePlan of ``handle``, else None."""
+    return _WORKSPACES.get(handle)
 
 
 class Workspace:
@@ -29,8 +47,6 @@ class Workspace:
             raise ValueError("max_tokens and top_k must be >= 1")
         if fp8 is None:  # W4A8 scratch where ``auto`` can take W4A8 (the threshold set now)
             fp8 = fp8_min_rows() > 0
-        from .op import register_workspace
-
         self.handle = register_workspace(self)  # what stands for it in the custom op's arguments
         device = torch.device(device) if device is not None else experts.device
         E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
@@ -111,8 +127,6 @@ class WorkspacePlan:
     compiled graph plans at run time too. The module's plan and the library's default (no ``workspace=``)."""
 
     def __init__(self, max_tokens: int = 0, top_k: int = 0, precision: Optional[str] = None):
-        from .op import register_workspace
-
         self.max_tokens, self.top_k, self.precision = max_tokens or 0, top_k or 0, precision
         self.workspaces: dict = {}
         self.handle = register_workspace(self)

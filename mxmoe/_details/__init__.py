@@ -6,3 +6,10 @@ def interpreting() -> bool:
     """True when Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, read at call time;
     Triton itself reads it when the kernels are defined, at ``import mxmoe``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def wide_tail_steps(block_k: int, num_stages: int) -> int:
+    """K steps a wide tile unrolls at its end (``sm90_wide._wide_tail_steps``; ``config`` and the kernel both read
+    it): its last num_stages - 1, rounded up to whole scale words (128 K each)."""
+    per_word = 128 // block_k
+    return per_word * -(-(num_stages - 1) // per_word)

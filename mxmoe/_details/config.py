@@ -19,7 +19,7 @@ from typing import Mapping, Optional
 import torch
 import triton
 
-from . import interpreting
+from . import interpreting, wide_tail_steps
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
@@ -222,13 +222,6 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_f
         if per_expert <= bt * (first_fill if bt == TILE_ROWS[0] else 1) or bt >= cap:
             return bt
     return TILE_ROWS[-1]
-
-
-def wide_tail_steps(block_k: int, num_stages: int) -> int:
-    """K steps a wide tile unrolls at its end (``sm90_wide._wide_tail_steps``): its last num_stages - 1, rounded up to
-    whole scale words (128 K each)."""
-    per_word = 128 // block_k
-    return per_word * -(-(num_stages - 1) // per_word)
 
 
 def pack_tile_heights(routes: int, num_experts: int) -> list:
