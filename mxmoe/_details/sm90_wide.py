@@ -7,7 +7,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from . import wide_tail_steps
 from .convert import FOLD_REF_MAX
 from .sm90_operands import (_bf16_operand, _fold_addend, _fold_ref, _fragment_words, _fragment_words_layout, _pow2,
                             _scale_word_factors, _scale_word_rows, _small_mma_layout)
@@ -281,6 +280,8 @@ def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0,
 @gluon.constexpr_function
 def _wide_tail_groups(BK, S):
     """Scale-word groups (128 K each) of a wide tile's unrolled last steps (``wide_tail_steps``)."""
+    from . import wide_tail_steps  # (here: the JIT refuses a plain function among a kernel's globals)
+
     return wide_tail_steps(BK, S) // (128 // BK)
 
 
