@@ -90,12 +90,13 @@ def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: tor
     scratch = lookup_workspace(workspace) if workspace != -1 else None  # a Workspace or a WorkspacePlan
     if workspace != -1 and scratch is None:
         raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
-    ws = None if scratch is None else scratch.for_call(experts, T, top_k, plan.fp8)  # (checked also on the CPU)
     if kernel_backend(x.device) == "triton":
         from ._details.launch import run_fused_moe
 
-        run_fused_moe(x, experts, topk_weights, topk_ids, plan, expert_map, out, ws)
+        run_fused_moe(x, experts, topk_weights, topk_ids, plan, expert_map, out, scratch)  # (it resolves scratch)
     else:
+        if scratch is not None:  # the same check as the launcher's, though the emulation reads no workspace
+            scratch.for_call(experts, T, top_k, plan.fp8)
         out.copy_(fused_moe_reference(x, experts, topk_weights, topk_ids, activation=plan.activation,
                                       swiglu_limit=plan.limit, swiglu_alpha=plan.alpha, expert_map=expert_map,
                                       mode=plan.path))

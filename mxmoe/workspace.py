@@ -21,7 +21,8 @@ _NEXT_HANDLE = itertools.count()
 
 def register_workspace(workspace) -> int:
     """A new handle for ``workspace`` (a Workspace or a WorkspacePlan takes one when it is created): valid while it
-    lives. The op resolves it with ``for_call(experts, tokens, top_k, fp8)``."""
+    lives. When the op runs, the launcher (or, on the CPU emulation, the op) resolves it with ``for_call(experts,
+    tokens, top_k, fp8)``, once per call."""
     handle = next(_NEXT_HANDLE)
     _WORKSPACES[handle] = workspace
     return handle
@@ -140,7 +141,7 @@ class WorkspacePlan:
             raise ValueError("workspace: no workspace large enough for this call during CUDA-graph capture; pass "
                              "workspace=mxmoe.Workspace(experts, max_tokens, top_k) or make the same call eagerly first")
         ahead = self.precision == "w4a8" or (self.precision == "auto" and fp8_min_rows() > 0)
-        ws = Workspace(experts, max(tokens, self.max_tokens, ws.max_tokens if ws else 0),
+        ws = Workspace(experts, max(tokens, 1, self.max_tokens, ws.max_tokens if ws else 0),
                        max(top_k, self.top_k, ws.top_k if ws else 0), fp8=fp8 or ahead or bool(ws and ws.fp8))
         self.workspaces[key] = ws
         return ws

@@ -66,7 +66,6 @@ def run_workloads(pdl: bool) -> int:
     from mxmoe import fused_moe, testing
     from mxmoe._details.config import overrides
 
-    overrides(pdl=pdl).__enter__()  # for the rest of this process (one per PDL setting)
     names = []
     from triton import knobs
 
@@ -80,7 +79,8 @@ def run_workloads(pdl: bool) -> int:
             print(f"{MARK}{name} {prec}", flush=True)
             names.clear()
             try:
-                out = fused_moe(x, experts, weights, ids, precision=prec)
+                with overrides(pdl=pdl):
+                    out = fused_moe(x, experts, weights, ids, precision=prec)
                 torch.cuda.synchronize()
                 ok = bool(torch.isfinite(out).all())
             except Exception as exc:  # report and go on: the sanitizer's counts are the point

@@ -18,7 +18,7 @@ import triton
 from ..prepare import PreparedExperts, row_block_unit
 from ..routing import device_route_pack, route_pack_capacity
 from ..selection import LayerPlan
-from ..workspace import Workspace, workspace_for
+from ..workspace import workspace_for
 from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
 from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, current_overrides, gemm_config, gluon_kernel,
                      kernel_choice, pdl_launch, small_kernel_constexprs, unfolded_config)
@@ -186,7 +186,7 @@ def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerP
 
 
 def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out,
-                  workspace: Optional[Workspace]):
+                  workspace):
     """The Triton path of :func:`mxmoe.fused_moe` (arguments already validated; ``config.overrides`` apply)."""
     return _run(x, experts, topk_weights, topk_ids, plan, expert_map, out, workspace)
 
@@ -206,19 +206,19 @@ def _configs(x, experts: PreparedExperts, routes: int, fp8: bool) -> tuple[GemmC
     return cfg1, cfg2
 
 
-def _run(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out,
-         workspace: Optional[Workspace], gemm2: bool = True):
+def _run(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out, workspace,
+         gemm2: bool = True):
     T, top_k = topk_ids.shape
+    fp8, R = plan.fp8, T * top_k
+    if workspace is not None:  # a Workspace (checked for the call) or a WorkspacePlan (which makes or grows one)
+        workspace = workspace.for_call(experts, T, top_k, fp8)
     if out is None:
         out = torch.empty_like(x)
     if T == 0:
         return out
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    fp8, R = plan.fp8, T * top_k
     if workspace is None:
         workspace = workspace_for(experts, T, top_k, fp8)
-    else:
-        workspace.check(experts, T, top_k, fp8)
     cfg1, cfg2 = _configs(x, experts, R, fp8)
     direct = None
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
