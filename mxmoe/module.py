@@ -19,6 +19,7 @@ from .moe import fused_moe
 from .prepare import LAYOUT_VERSION, PreparedExperts, check_layout_version, prepare_weights
 from .activation import ACTIVATIONS
 from .selection import PRECISIONS
+from .workspace import WorkspacePlan
 
 _TENSORS = ("w13", "w13_scale", "w2", "w2_scale", "w13_ref", "w2_ref", "w13_fold", "w2_fold", "w13_scale_restore",
             "w2_scale_restore", "b13", "b2", "w13_global_scale", "w2_global_scale")
@@ -52,8 +53,6 @@ class MoEExperts(torch.nn.Module):
         self.source_scale_dtypes = experts.source_scale_dtypes
         for name in _TENSORS:
             self.register_buffer(name, getattr(experts, name))
-        from .workspace import WorkspacePlan
-
         self._plan = WorkspacePlan(max_tokens, top_k, precision)  # resolved by the op when it runs
         self._all_fold = experts.all_fold  # a host flag (computing it from the buffers would sync, and not trace)
         self._prepared: Optional[PreparedExperts] = None

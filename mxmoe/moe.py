@@ -17,10 +17,11 @@ from typing import Optional
 
 import torch
 
+from .activation import ACTIVATIONS
 from .op import expert_tensors, workspace_handle
 from .prepare import PreparedExperts, check_layout_version
-from .activation import ACTIVATIONS
 from .selection import PRECISIONS, select_precision
+from .workspace import Workspace, WorkspacePlan
 
 
 def _check_tensor(t, name, dtypes, dim, device):
@@ -109,8 +110,6 @@ def fused_moe(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if workspace is not None:
-        from .workspace import Workspace, WorkspacePlan
-
         if not isinstance(workspace, (Workspace, WorkspacePlan)):  # (a plan: MoEExperts's)
             raise TypeError(f"workspace must be a mxmoe.Workspace, got {type(workspace).__name__}")
     if out is None:
