@@ -112,9 +112,6 @@ class Overrides:
     direct_decode: bool = True
     direct_sum: bool = True
 
-    def gemm(self, gemm1: bool) -> Mapping:
-        return self.gemm1 if gemm1 else self.gemm2
-
 
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("mxmoe_overrides", default=Overrides())
 
@@ -405,6 +402,14 @@ ARG_BUNDLES = {
     "out": ("out_ptr", "stride_out", "topk_weights_ptr"),  # the output rows and the routing weights
     "dims": ("N", "K", "top_k", "limit", "alpha"),  # sizes and the activation's parameters
 }
+
+
+def bundled(args) -> list:
+    """The entry kernels' runtime arguments, in ``ARG_BUNDLES``' order, as its tuples."""
+    it = iter(args)
+    return [tuple(next(it) for _ in names) for names in ARG_BUNDLES.values()]
+
+
 SMALL_ARG_BUNDLES = {  # the small-tile kernel's besides
     "direct": ("ids_ptr", "expert_map_ptr", "num_global", "num_experts"),  # the direct path: routes without a pack
     "joins": ("sum_out_ptr", "stride_sum_out", "counters_ptr", "parts_ptr"),  # top-k sum in GEMM2, K parts' sums

@@ -20,8 +20,8 @@ from ..routing import device_route_pack, route_pack_capacity
 from ..selection import LayerPlan
 from ..workspace import workspace_for
 from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
-from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, current_overrides, gemm_config, gluon_kernel,
-                     kernel_choice, pdl_launch, small_kernel_constexprs, unfolded_config)
+from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides, gemm_config,
+                     gluon_kernel, kernel_choice, pdl_launch, small_kernel_constexprs, unfolded_config)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
 
@@ -94,7 +94,7 @@ def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         meta.update(PURE=interpreting())
     else:  # the Gluon kernels (no interpreter form), their arguments in bundles (config.ARG_BUNDLES)
         kernel = gluon_kernel(cfg.kernel, cfg.wide)
-        args = [tuple(args[0:3]), tuple(args[3:8]), tuple(args[8:11]), tuple(args[11:14]), tuple(args[14:19])]
+        args = bundled(args)
         meta.update(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.maxnreg:
             meta.update(maxnreg=cfg.maxnreg)
