@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 
 from ._details import interpreting
-from .prepare import PreparedExperts
+from ._details.launch import run_layer
+from .prepare import PreparedExperts, expert_tensors, experts_from_tensors  # noqa: F401 (re-exported)
 from .reference import fused_moe_reference
 from .selection import plan_layer
 from .workspace import lookup_workspace
@@ -44,23 +45,6 @@ def kernel_backend(device: torch.device) -> str:
 def workspace_handle(workspace) -> int:
     """The int that stands for ``workspace`` (None: -1) in the op's schema (an attribute read: traceable)."""
     return -1 if workspace is None else workspace.handle
-
-
-def expert_tensors(experts: PreparedExperts) -> tuple[list, list, bool]:
-    """``(weights, extras, all_fold)``: how ``experts`` crosses the op boundary."""
-    weights = [experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, experts.w13_ref, experts.w2_ref,
-               experts.w13_fold, experts.w2_fold, experts.w13_scale_restore, experts.w2_scale_restore]
-    extras = [experts.b13, experts.b2, experts.w13_global_scale, experts.w2_global_scale]
-    return weights, extras, experts.all_fold
-
-
-def _experts(weights: list, extras: list, all_fold: bool) -> PreparedExperts:
-    w13, w13_scale, w2, w2_scale, w13_ref, w2_ref, w13_fold, w2_fold, restore13, restore2 = weights
-    return PreparedExperts(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, w13_ref=w13_ref, w2_ref=w2_ref,
-                           w13_fold=w13_fold, w2_fold=w2_fold, b13=extras[0], b2=extras[1],
-                           w13_global_scale=extras[2], w2_global_scale=extras[3], source_layout="gate_up",
-                           source_scale_dtypes=(torch.uint8, torch.uint8), all_fold=all_fold,
-                           w13_scale_restore=restore13, w2_scale_restore=restore2)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -86,15 +70,13 @@ def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: tor
     T, top_k = topk_ids.shape
     plan = plan_layer(T * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
                       swiglu_alpha=swiglu_alpha)
-    experts = _experts(weights, extras, all_fold)
     scratch = lookup_workspace(workspace) if workspace != -1 else None  # a Workspace or a WorkspacePlan
     if workspace != -1 and scratch is None:
         raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
     if kernel_backend(x.device) == "triton":
-        from ._details.launch import run_fused_moe
-
-        run_fused_moe(x, experts, topk_weights, topk_ids, plan, expert_map, out, scratch)  # (it resolves scratch)
+        run_layer(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, out, plan, scratch)
     else:
+        experts = experts_from_tensors(weights, extras, all_fold)
         if scratch is not None:  # the same check as the launcher's, though the emulation reads no workspace
             scratch.for_call(experts, T, top_k, plan.fp8)
         out.copy_(fused_moe_reference(x, experts, topk_weights, topk_ids, activation=plan.activation,

@@ -118,6 +118,25 @@ class PreparedExperts:
         return PreparedExperts(**{k: move(v) if isinstance(v, torch.Tensor) or v is None else v for k, v in self.__dict__.items()})
 
 
+def expert_tensors(experts: PreparedExperts) -> tuple[list, list, bool]:
+    """``(weights, extras, all_fold)``: how ``experts`` crosses the custom op's boundary (``mxmoe.op``) and keys
+    a launch plan."""
+    weights = [experts.w13, experts.w13_scale, experts.w2, experts.w2_scale, experts.w13_ref, experts.w2_ref,
+               experts.w13_fold, experts.w2_fold, experts.w13_scale_restore, experts.w2_scale_restore]
+    extras = [experts.b13, experts.b2, experts.w13_global_scale, experts.w2_global_scale]
+    return weights, extras, experts.all_fold
+
+
+def experts_from_tensors(weights: list, extras: list, all_fold: bool) -> PreparedExperts:
+    """The :class:`PreparedExperts` of :func:`expert_tensors`' output (the source layout and dtypes are not kept)."""
+    w13, w13_scale, w2, w2_scale, w13_ref, w2_ref, w13_fold, w2_fold, restore13, restore2 = weights
+    return PreparedExperts(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, w13_ref=w13_ref, w2_ref=w2_ref,
+                           w13_fold=w13_fold, w2_fold=w2_fold, b13=extras[0], b2=extras[1],
+                           w13_global_scale=extras[2], w2_global_scale=extras[3], source_layout="gate_up",
+                           source_scale_dtypes=(torch.uint8, torch.uint8), all_fold=all_fold,
+                           w13_scale_restore=restore13, w2_scale_restore=restore2)
+
+
 def check_layout_version(experts: "PreparedExperts") -> None:
     """Raise if ``experts`` was prepared with another byte layout than this mxmoe's."""
     # objects from before the field (unpickled) have the first layout; the class default must not stand in

@@ -12,9 +12,9 @@ only tiles holding a valid row are listed. Buffers have fixed capacities (see
 :func:`route_pack_capacity`) so the GPU pack needs no host synchronization.
 
 :func:`route_pack` is the PyTorch implementation (any device; stable order within an
-expert). :func:`device_route_pack` launches the kernels that build the same pack except for the order of routes
-inside an expert's segment (slots are claimed with integer atomics), which changes no output bit:
-each row's result depends only on its own data.
+expert). :func:`device_route_pack` launches the kernels (one or two, :func:`route_pack_launches`) that build the same
+pack except for the order of routes inside an expert's segment (slots are claimed with integer atomics), which changes
+no output bit: each row's result depends only on its own data.
 """
 from __future__ import annotations
 
@@ -104,10 +104,21 @@ def route_pack(topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert
 def device_route_pack(workspace, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int,
                       num_experts: int) -> RoutePack:
     """The route pack of :func:`route_pack` built by the Triton kernels into ``workspace``'s buffers (no host sync,
-    capturable); returns views of them. Up to ``ROUTE_BLOCK`` routes one launch, else a fill, three kernels."""
+    capturable); returns views of them."""
+    from ._details.launch_plan import run_launches
+
+    pack, launches = route_pack_launches(workspace, topk_ids, expert_map, block_rows, num_experts)
+    run_launches(launches)
+    return pack
+
+
+def route_pack_launches(workspace, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int,
+                        num_experts: int) -> tuple[RoutePack, list]:
+    """The launches of :func:`device_route_pack` (``_details.launch_plan.KernelLaunch``) and the pack they build:
+    one kernel up to ``ROUTE_BLOCK`` routes, else two (``_details.routing_kernels``); no torch fill."""
     from ._details.config import pdl_launch
-    from ._details.routing_kernels import (route_count_kernel, route_offsets_kernel, route_pack_small_kernel,
-                                           route_scatter_kernel)
+    from ._details.launch_plan import KernelLaunch
+    from ._details.routing_kernels import route_count_kernel, route_pack_small_kernel, route_scatter_kernel
 
     self = workspace
     R = topk_ids.numel()
@@ -122,23 +133,28 @@ def device_route_pack(workspace, topk_ids: torch.Tensor, expert_map: Optional[to
         # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
         # 3.4 us (docs/perf-notes.md step 15)
         block = max(16, triton.next_power_of_2(R))
-        route_pack_small_kernel[(1,)](topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert,
-                                      self.tile_start, self.num_tiles, self.route_slot, sorted_routes, R, num_experts, n_global,
-                                      max_rows, max_tiles, HAS_MAP=expert_map is not None, BT=block_rows,
-                                      BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, num_warps=4,
-                                      **pdl_launch(topk_ids.device))
+        launches = [KernelLaunch(
+            route_pack_small_kernel, (1,),
+            (topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
+             self.route_slot, sorted_routes, R, num_experts, n_global, max_rows, max_tiles),
+            dict(HAS_MAP=expert_map is not None, BT=block_rows, BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK,
+                 num_warps=4, **pdl_launch(topk_ids.device)))]
     else:
-        self.counts.zero_()
-        sorted_routes.fill_(-1)
         grid = (triton.cdiv(R, ROUTE_BLOCK),)
-        route_count_kernel[grid](topk_ids, emap, self.counts, self.route_expert, self.route_rank, R, num_experts,
-                                 n_global, HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
-        route_offsets_kernel[(1,)](self.counts, self.expert_counts, self.offsets, self.sub_offsets,
-                                   self.tile_expert, self.tile_start, self.num_tiles, num_experts, max_tiles,
-                                   BT=block_rows, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
-        route_scatter_kernel[grid](self.route_expert, self.route_rank, self.sub_offsets, self.route_slot,
-                                   sorted_routes, R, num_experts, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)
-    return RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
+        launches = [
+            KernelLaunch(route_count_kernel, grid,
+                         (topk_ids, emap, self.counts, self.route_done, self.route_expert, self.route_rank,
+                          self.expert_counts, self.offsets, self.sub_offsets, self.tile_expert, self.tile_start,
+                          self.num_tiles, R, num_experts, n_global, max_tiles),
+                         dict(HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs, BT=block_rows,
+                              E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK)),
+            KernelLaunch(route_scatter_kernel, grid,
+                         (self.route_expert, self.route_rank, self.sub_offsets, self.expert_counts, self.offsets,
+                          self.tile_expert, self.num_tiles, self.route_slot, sorted_routes, R, num_experts, max_rows),
+                         dict(BT=block_rows, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)),
+        ]
+    pack = RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
                      expert_counts=self.expert_counts, segment_offsets=self.offsets,
                      tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],
                      num_tiles=self.num_tiles)
+    return pack, launches

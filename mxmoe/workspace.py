@@ -59,7 +59,11 @@ class Workspace:
         self.max_tokens, self.top_k, self.fp8 = max_tokens, top_k, fp8
         self.shape = (E, H, I)
         self.route_subs = ROUTE_SUBS
-        self.counts = torch.zeros(ROUTE_SUBS * E, **i32)  # the pack's rank counters, [route_subs, E]
+        # the pack's rank counters [route_subs, E] and its count kernel's arrivals: zero between calls (the pack's
+        # kernels zero them after use)
+        self.counts = torch.zeros(ROUTE_SUBS * E, **i32)
+        self.route_done = torch.zeros(1, **i32)
+        self.device = self.counts.device  # (with its index)
         self.expert_counts = torch.empty(E, **i32)
         self.sub_offsets = torch.empty(ROUTE_SUBS * E, **i32)
         self.route_expert = torch.empty(R, **i32)
@@ -103,6 +107,15 @@ class Workspace:
             wrong.append("this call runs W4A8 and it has no W4A8 scratch (create it with fp8=True)")
         return wrong
 
+    def holds(self, device: torch.device, shape: tuple, tokens: int, top_k: int, fp8: bool) -> bool:
+        """Whether it fits a call (``shortfalls`` is empty) by the call's numbers alone: the launcher's check per call."""
+        return (shape == self.shape and tokens <= self.max_tokens and top_k <= self.top_k and (self.fp8 or not fp8)
+                and device == self.device)
+
+    def tensors(self) -> list:
+        """Its buffers (what a launch plan's constant pointers may point into)."""
+        return [t for t in self.__dict__.values() if isinstance(t, torch.Tensor)]
+
     def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> "Workspace":
         """This workspace, checked for the call (the op resolves a handle this way, a plan's too)."""
         self.check(experts, tokens, top_k, fp8)
@@ -118,7 +131,7 @@ class Workspace:
             raise ValueError("workspace does not fit this call: " + "; ".join(wrong))
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.__dict__.values() if isinstance(t, torch.Tensor))
+        return sum(t.nbytes for t in self.tensors())
 
 
 class WorkspacePlan:
@@ -131,6 +144,11 @@ class WorkspacePlan:
         self.max_tokens, self.top_k, self.precision = max_tokens or 0, top_k or 0, precision
         self.workspaces: dict = {}
         self.handle = register_workspace(self)
+
+    def current(self, device: torch.device, shape: tuple, tokens: int, top_k: int, fp8: bool) -> Optional[Workspace]:
+        """The workspace a call of these numbers takes if it has one already (no planning), else None."""
+        ws = self.workspaces.get((device, *shape))
+        return ws if ws is not None and ws.holds(device, shape, tokens, top_k, fp8) else None
 
     def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
         key = (experts.device, experts.num_experts, experts.hidden_size, experts.intermediate_size)
@@ -153,3 +171,16 @@ _DEFAULT_PLAN = WorkspacePlan()
 def workspace_for(experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
     """The library's cached workspace for a call without ``workspace=`` (:class:`WorkspacePlan`)."""
     return _DEFAULT_PLAN.for_call(experts, tokens, top_k, fp8)
+
+
+def held_workspace(scratch, device: torch.device, shape: tuple, tokens: int, top_k: int,
+                   fp8: bool) -> Optional[Workspace]:
+    """The Workspace a call takes from ``scratch`` (a Workspace, a WorkspacePlan, or None: the library's default) if
+    it fits already, by the call's numbers alone; None where ``scratch.for_call`` must decide (grow, or raise)."""
+    if isinstance(scratch, Workspace):
+        return scratch if scratch.holds(device, shape, tokens, top_k, fp8) else None
+    return (scratch or _DEFAULT_PLAN).current(device, shape, tokens, top_k, fp8)
+
+
+def default_plan() -> WorkspacePlan:
+    return _DEFAULT_PLAN

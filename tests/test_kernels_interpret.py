@@ -135,14 +135,26 @@ def test_device_route_pack_matches_torch_pack(block_rows, tokens, mapped, subs, 
     ids = torch.randint(-1, (E if emap is None else 10) + 1, (T, top_k), generator=g, dtype=torch.int32)
     ids[:36, 0] = 2  # hot expert: several tiles where T allows
     ws = Workspace(ex, T, top_k, fp8=True)
-    ws.route_subs = subs  # (sized for more)
     ws.sorted_routes.fill_(7)  # stale contents from an earlier call must not leak
-    ws.counts.fill_(3)
     ws.expert_counts.fill_(3)
     ws.sub_offsets.fill_(4)
     ws.tile_expert.fill_(5)
     ws.tile_start.fill_(9)
+    # the rank counters are zero between calls (no launch clears them): a pack of the other kind first must leave
+    # them so
+    other = ids[:2] if T * top_k > ROUTE_BLOCK else ids.repeat(400 // T + 1, 1)
+    big = Workspace(ex, max(T, other.shape[0]), top_k, fp8=True)
+    for w in (ws, big):
+        w.route_subs = subs
+    device_route_pack(big, other, emap, block_rows, E)
+    assert not big.counts.any() and not big.route_done.any()
+    pack = device_route_pack(big, ids, emap, block_rows, E)
+    assert not big.counts.any() and not big.route_done.any()
+    big_pack = (pack.expert_counts.clone(), pack.segment_offsets.clone(), pack.tile_expert.clone())
     pack = device_route_pack(ws, ids, emap, block_rows, E)
+    assert not ws.counts.any() and not ws.route_done.any()
+    assert all(torch.equal(a, b) for a, b in zip(big_pack, (pack.expert_counts, pack.segment_offsets,
+                                                              pack.tile_expert)))
     ref = mxmoe.route_pack(ids, E, block_rows, expert_map=emap)
     assert torch.equal(pack.expert_counts, ref.expert_counts)
     assert torch.equal(pack.segment_offsets, ref.segment_offsets)
@@ -205,7 +217,7 @@ def test_row_quantizer_matches_reference():
     x[4, :10] = torch.tensor([448 * 7 / 0.999, -3.5, 2.25, 1e-9, -0.0, 5, 6, 7, 8, 9])
     q = torch.empty(6, 224, dtype=torch.float8_e4m3fn)
     s = torch.empty(6)
-    _quantize_rows(x, q, s)
+    _quantize_rows(x, q, s).run()
     q_ref, s_ref = quantize_rows_fp8(x)
     assert torch.equal(s, s_ref)
     # stored in the W4A8 kernels' slot order within each K32 block

@@ -113,7 +113,8 @@ class Overrides:
     direct_sum: bool = True
 
 
-_OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("mxmoe_overrides", default=Overrides())
+DEFAULT_OVERRIDES = Overrides()  # (the launcher keeps launch plans only under these)
+_OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("mxmoe_overrides", default=DEFAULT_OVERRIDES)
 
 
 def current_overrides() -> Overrides:

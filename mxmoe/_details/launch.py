@@ -1,29 +1,38 @@
-"""The launch sequence of the Triton path (configs from ``config``, scratch from ``mxmoe.workspace``).
+"""The launch sequence of the Triton path (configs from ``config``, scratch from ``mxmoe.workspace``), and the
+cached launch plans that replay it (``launch_plan``).
 
 Run path (no allocation once the workspace exists, no host sync, capturable):
-route pack (one kernel up to 1024 routes, else 2 fills + 3 kernels) -> [W4A8: quantize x rows] -> GEMM1 +
-activation -> [W4A8: quantize intermediate rows] -> GEMM2 + routing weight -> top-k sum. Up to
-``DIRECT_MAX_TOKENS`` W4A16 tokens (``direct_routes``): GEMM1 -> GEMM2 + routing weight + top-k sum, no pack.
+route pack (one kernel up to 1024 routes, else two) -> [W4A8: quantize x rows] -> GEMM1 + activation -> [W4A8:
+quantize intermediate rows] -> GEMM2 + routing weight -> top-k sum. Up to ``DIRECT_MAX_TOKENS`` W4A16 tokens
+(``direct_routes``): GEMM1 -> GEMM2 + routing weight + top-k sum, no pack.
+
+``describe`` lists a call's launches; ``run_layer`` (what the custom op calls) looks the call up in its workspace's
+plans (``plan_key``) and launches the compiled kernels directly, or describes the call, runs it through the JIT and
+keeps the plan.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 import triton
 
-from ..prepare import PreparedExperts, row_block_unit
-from ..routing import device_route_pack, route_pack_capacity
+from ..prepare import PreparedExperts, expert_tensors, experts_from_tensors, row_block_unit
+from ..routing import route_pack_capacity, route_pack_launches
 from ..selection import LayerPlan
-from ..workspace import workspace_for
+from ..workspace import default_plan, held_workspace
 from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
-from .config import (DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides, gemm_config,
-                     gluon_kernel, kernel_choice, pdl_launch, small_kernel_constexprs, unfolded_config)
+from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
+                     gemm_config, gluon_kernel, gluon_validated, kernel_choice, pdl_launch, small_kernel_constexprs,
+                     unfolded_config)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
+from .launch_plan import KernelLaunch, LaunchPlan, run_launches
 
 
 @functools.cache
@@ -56,23 +65,23 @@ class DirectRoutes:
     part_counters: Optional[torch.Tensor] = None
 
 
-def _gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-          gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None, fold=None, all_fold=True):
-    """One GEMM launch; W4A8 on the Gluon kernels: the fast (folded) kernel on the experts whose ``fold`` flag is 1 and,
-    unless ``all_fold``, the exact unfolded kernel on the others (prepared per expert: ``prepare.fold_fits``)."""
+def _gemm_launches(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
+                   gemm1, swigluoai, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes] = None, fold=None,
+                   all_fold=True) -> list:
+    """One GEMM's launches; W4A8 on the Gluon kernels: the fast (folded) kernel on the experts whose ``fold`` flag is 1
+    and, unless ``all_fold``, the exact unfolded kernel on the others (prepared per expert: ``prepare.fold_fits``)."""
+    common = (a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha, gemm1,
+              swigluoai, fp8)
     if fp8 and cfg.kernel != "triton":
-        _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-                     gemm1, swigluoai, fp8, cfg, direct, fold, True)
+        launches = [_gemm_launch(*common, cfg, direct, fold, True)]
         if not all_fold:
-            _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit,
-                         alpha, gemm1, swigluoai, fp8, unfolded_config(cfg, gemm1, k), direct, fold, False)
-    else:
-        _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-                     gemm1, swigluoai, fp8, cfg, direct, fold, False)
+            launches.append(_gemm_launch(*common, unfolded_config(cfg, gemm1, k), direct, fold, False))
+        return launches
+    return [_gemm_launch(*common, cfg, direct, fold, False)]
 
 
-def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
-                 gemm1, swigluoai, fp8, cfg: GemmConfig, direct, fold, fold_path: bool):
+def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha,
+                 gemm1, swigluoai, fp8, cfg: GemmConfig, direct, fold, fold_path: bool) -> KernelLaunch:
     assert direct is None or (cfg.kernel == "gluon_small" and not cfg.wide)
     tiles = direct.topk_ids.numel() if direct else pack.tile_expert.numel() * cfg.sub_tiles
     width = cfg.block_m * (2 if cfg.pair or (cfg.wide and not gemm1) else 1)  # output columns per program (tile)
@@ -107,9 +116,8 @@ def _launch_gemm(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
                 small_args, small_meta = _small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg, direct, fold, fold_path)
                 args += small_args
                 meta.update(small_meta)
-    compiled = kernel[grid](*args, **meta)
-    if cfg.kernel == "gluon_small" and not (cfg.wide or direct or cfg.k_split > 1):
-        _no_shared_preference(compiled)
+    loaded = _no_shared_preference if cfg.kernel == "gluon_small" and not (cfg.wide or direct or cfg.k_split > 1) else None
+    return KernelLaunch(kernel, grid, tuple(args), meta, loaded)
 
 
 def _small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg: GemmConfig, direct: Optional[DirectRoutes], fold,
@@ -157,23 +165,27 @@ def _libcuda():
         return None
 
 
-def _quantize_rows(x, q, scale, row_valid=None):
+def _quantize_rows(x, q, scale, row_valid=None) -> KernelLaunch:
     K = x.shape[1]
-    quantize_rows_kernel[(x.shape[0],)](x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale,
-                                        K, CHECK_ROWS=row_valid is not None,
-                                        BLOCK_K=min(triton.next_power_of_2(K), 2048), PURE=interpreting(), num_warps=4)
+    return KernelLaunch(quantize_rows_kernel, (x.shape[0],),
+                        (x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale, K),
+                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=min(triton.next_power_of_2(K), 2048),
+                             PURE=interpreting(), num_warps=4))
 
 
 def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map=None) -> torch.Tensor:
     """GEMM1's output per route (route pack, [W4A8: x quantization], GEMM1 + activation; no GEMM2): ``[T * top_k,
     I]``, FP32 for W4A8 (before the intermediate's E4M3 quantization), BF16 for W4A16; masked routes' rows are
     zero. For checks of the GEMM alone (``mxmoe check``'s GEMM-level case): arguments as ``run_fused_moe``'s,
-    already validated."""
+    already validated; launched through the JIT (no plan)."""
     T, top_k = topk_ids.shape
     if T == 0:
         return torch.zeros(0, experts.intermediate_size, dtype=torch.float32 if plan.fp8 else torch.bfloat16,
                            device=x.device)
-    inter, pack = _run(x, experts, topk_weights, topk_ids, plan, expert_map, None, None, gemm2=False)
+    workspace = default_plan().for_call(experts, T, top_k, plan.fp8)
+    launches, inter, pack = describe(x, experts, topk_weights, topk_ids, plan, expert_map, None, workspace,
+                                     gemm2=False)
+    run_launches(launches)
     rows = torch.zeros(T * top_k, experts.intermediate_size, dtype=inter.dtype, device=x.device)
     if pack is None:  # the direct path: route r in slot r * block_rows
         slots = torch.arange(T * top_k, device=x.device) * (inter.shape[0] // max(T * top_k, 1))
@@ -187,8 +199,12 @@ def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerP
 
 def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out,
                   workspace):
-    """The Triton path of :func:`mxmoe.fused_moe` (arguments already validated; ``config.overrides`` apply)."""
-    return _run(x, experts, topk_weights, topk_ids, plan, expert_map, out, workspace)
+    """The Triton path of :func:`mxmoe.fused_moe` for a :class:`PreparedExperts` (arguments already validated;
+    ``config.overrides`` apply; ``workspace``: a Workspace, a WorkspacePlan or None): :func:`run_layer`."""
+    weights, extras, all_fold = expert_tensors(experts)
+    if out is None:
+        out = torch.empty_like(x)
+    return run_layer(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, out, plan, workspace)
 
 
 def _configs(x, experts: PreparedExperts, routes: int, fp8: bool) -> tuple[GemmConfig, GemmConfig]:
@@ -206,59 +222,136 @@ def _configs(x, experts: PreparedExperts, routes: int, fp8: bool) -> tuple[GemmC
     return cfg1, cfg2
 
 
-def _run(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out, workspace,
-         gemm2: bool = True):
+def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out, workspace,
+             gemm2: bool = True) -> tuple[list, torch.Tensor, object]:
+    """The launches of a call (T >= 1, ``workspace`` a Workspace that fits it), in order, with GEMM1's output
+    (``[rows, I]`` in the workspace) and the route pack (None on the direct path). ``gemm2=False``: up to GEMM1."""
     T, top_k = topk_ids.shape
     fp8, R = plan.fp8, T * top_k
-    if workspace is not None:  # a Workspace (checked for the call) or a WorkspacePlan (which makes or grows one)
-        workspace = workspace.for_call(experts, T, top_k, fp8)
-    if out is None:
-        out = torch.empty_like(x)
-    if T == 0:
-        return out
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    if workspace is None:
-        workspace = workspace_for(experts, T, top_k, fp8)
     cfg1, cfg2 = _configs(x, experts, R, fp8)
-    direct = None
+    direct, launches = None, []
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
         n_global = E if expert_map is None else expert_map.numel()
-        sums = (out, workspace.sum_counters) if current_overrides().direct_sum else (None, None)
+        sums = (out, workspace.sum_counters) if current_overrides().direct_sum and gemm2 else (None, None)
         direct = DirectRoutes(topk_ids, expert_map, n_global, E, *sums, workspace.part_sums, workspace.part_counters)
         pack, max_rows = None, R * cfg1.block_rows
     else:
         cfg1 = replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
-        pack = device_route_pack(workspace, topk_ids, expert_map, cfg1.block_rows * cfg1.sub_tiles, E)
+        pack, launches = route_pack_launches(workspace, topk_ids, expert_map, cfg1.block_rows * cfg1.sub_tiles, E)
         max_rows = pack.sorted_routes.numel()
     common = dict(topk_weights=topk_weights, top_k=top_k, limit=plan.limit, alpha=plan.alpha,
                   swigluoai=plan.activation == "swigluoai", fp8=fp8, direct=direct)
     if fp8:
         x_q, x_scale = workspace.x_q[:T], workspace.x_scale[:T]
-        _quantize_rows(x, x_q, x_scale)
+        launches.append(_quantize_rows(x, x_q, x_scale))
         inter = workspace.intermediate[: max_rows * I * 4].view(torch.float32).view(max_rows, I)
-        _gemm(x_q, x_scale, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
-              experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, fold=experts.w13_fold,
-              all_fold=experts.all_fold, **common)
+        launches += _gemm_launches(x_q, x_scale, experts.w13, experts.w13_scale, experts.w13_ref,
+                                   experts.w13_global_scale, experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1,
+                                   fold=experts.w13_fold, all_fold=experts.all_fold, **common)
         if not gemm2:
-            return inter, pack
+            return launches, inter, pack
         a2, a2_scale = workspace.inter_q[:max_rows], workspace.inter_scale[:max_rows]
-        _quantize_rows(inter, a2, a2_scale, row_valid=pack.sorted_routes)
+        launches.append(_quantize_rows(inter, a2, a2_scale, row_valid=pack.sorted_routes))
     else:
         inter = workspace.intermediate[: max_rows * I * 2].view(torch.bfloat16).view(max_rows, I)
-        _gemm(x, None, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
-              experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
+        launches += _gemm_launches(x, None, experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale,
+                                   experts.b13, pack, inter, n=I, k=H, gemm1=True, cfg=cfg1, **common)
         a2, a2_scale = inter, None
     if not gemm2:
-        return inter, pack
+        return launches, inter, pack
     routed = workspace.routed_out[:R]
-    _gemm(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
-          experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, fold=experts.w2_fold, all_fold=experts.all_fold,
-          **common)
+    launches += _gemm_launches(a2, a2_scale, experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale,
+                               experts.b2, pack, routed, n=H, k=I, gemm1=False, cfg=cfg2, fold=experts.w2_fold,
+                               all_fold=experts.all_fold, **common)
     if direct and direct.sum_out is not None:
-        return out  # GEMM2 summed the routes
+        return launches, inter, pack  # GEMM2 summed the routes
     # without a pack GEMM2 wrote every route's row (zeros for masked ones): no slot list to check
     block_h = min(triton.next_power_of_2(H), 1024)
-    topk_sum_kernel[(T, triton.cdiv(H, block_h))](routed, pack.route_slot if pack else routed, out, H, top_k,
-                                                  BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None,
-                                                  num_warps=4, **pdl_launch(x.device))
+    launches.append(KernelLaunch(topk_sum_kernel, (T, triton.cdiv(H, block_h)),
+                                 (routed, pack.route_slot if pack else routed, out, H, top_k),
+                                 dict(BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None, num_warps=4,
+                                      **pdl_launch(x.device))))
+    return launches, inter, pack
+
+
+# ------------------------------------------------------------------------------------------------- launch plans
+
+PLANS_PER_WORKSPACE = 1024  # plans a workspace keeps (one per T and kind of call); the oldest goes first
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Workspace -> {plan_key: LaunchPlan}
+PLAN_STATS = {"hits": 0, "recorded": 0}  # (read by tests and the bench)
+
+
+def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk_ids, expert_map, out,
+              plan: LayerPlan, scratch) -> torch.Tensor:
+    """The layer into ``out`` (the custom op's body on the kernels' path; arguments validated; ``weights``, ``extras``,
+    ``all_fold``: ``prepare.expert_tensors``; ``scratch``: a Workspace, a WorkspacePlan or None, the library's).
+
+    A call whose :func:`plan_key` its workspace has seen launches that plan's compiled kernels directly. Otherwise it
+    is described and run through the JIT, and the plan kept, where plans apply (:func:`_plans_apply`)."""
+    T, top_k = topk_ids.shape
+    w13 = weights[0]
+    shape = (w13.shape[0], x.shape[1], w13.shape[1] // 2)
+    workspace = held_workspace(scratch, x.device, shape, T, top_k, plan.fp8)
+    experts = None
+    if workspace is None:  # grow a plan's workspace, or raise naming what this one lacks
+        experts = experts_from_tensors(weights, extras, all_fold)
+        workspace = (scratch or default_plan()).for_call(experts, T, top_k, plan.fp8)
+    if T == 0:
+        return out
+    plans = _PLANS.get(workspace) if _plans_apply(x) else None
+    key = None
+    if plans is not None:
+        key = plan_key(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan)
+        found = plans.get(key)
+        if found is not None:
+            PLAN_STATS["hits"] += 1
+            found.run(_call_ptrs(x, topk_weights, topk_ids, expert_map, out),
+                      torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+            return out
+    if experts is None:
+        experts = experts_from_tensors(weights, extras, all_fold)
+    launches = describe(x, experts, topk_weights, topk_ids, plan, expert_map, out, workspace)[0]
+    if key is None:
+        run_launches(launches)
+        return out
+    recorded = LaunchPlan.record(launches, (x, topk_weights, topk_ids, expert_map, out),
+                                 owned=[*weights, *extras, *workspace.tensors()])
+    if recorded is not None:
+        PLAN_STATS["recorded"] += 1
+        plans = _PLANS.setdefault(workspace, {})
+        if len(plans) >= PLANS_PER_WORKSPACE:
+            del plans[next(iter(plans))]
+        plans[key] = recorded
     return out
+
+
+def plan_key(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan: LayerPlan) -> tuple:
+    """What a launch plan depends on besides its workspace: T and top_k (every grid and count), the layer plan (path,
+    activation), the experts' tensors (addresses, shapes: constants of the plan), the call tensors' dtypes and
+    16-byte alignment (the JIT specializes on both), expert_map's length, the kernel choice (``MXMOE_KERNEL``) and
+    the current device."""
+    ptrs = _call_ptrs(x, topk_weights, topk_ids, expert_map, x)
+    return (topk_ids.shape, plan, all_fold, topk_weights.dtype, topk_ids.dtype,
+            -1 if expert_map is None else expert_map.numel(), tuple(p % 16 == 0 for p in ptrs),
+            tuple(t.data_ptr() if t is not None else 0 for t in weights), weights[0].shape, weights[2].shape,
+            tuple(t.data_ptr() if t is not None else 0 for t in extras),
+            os.environ.get("MXMOE_KERNEL"), torch._C._cuda_getDevice())
+
+
+def _call_ptrs(x, topk_weights, topk_ids, expert_map, out) -> tuple:
+    return (x.data_ptr(), topk_weights.data_ptr(), topk_ids.data_ptr(),
+            0 if expert_map is None else expert_map.data_ptr(), out.data_ptr())
+
+
+def _plans_apply(x) -> bool:
+    """Plans apply on CUDA, on the Triton release they were validated on (the compiled kernel's launcher is called
+    as that release's JIT calls it), with the library's own settings (``config.overrides`` unset: tools and tests
+    launch through the JIT), and while no Triton launch hook listens (a profiler gets every launch's metadata)."""
+    return (x.is_cuda and current_overrides() is DEFAULT_OVERRIDES and gluon_validated(triton.__version__)
+            and not interpreting() and not _launch_hooks())
+
+
+def _launch_hooks() -> bool:
+    hook = getattr(triton.knobs.runtime, "launch_enter_hook", None)
+    return bool(getattr(hook, "calls", hook))

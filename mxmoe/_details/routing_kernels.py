@@ -1,17 +1,18 @@
-"""Route pack on the device, no host synchronization.
+"""Route pack on the device: no host synchronization, no torch fill, at most two launches.
 
-1. ``count``: each route's local expert (masking, ``expert_map``); its rank inside the
-   expert claimed with an integer atomic on one of ``SUBS`` counters per expert (program
-   p counts on counter p % SUBS: an expert's routes queue on one address otherwise, 18 us of
-   atomics at 65536 routes over 288 experts; counters must be zero on entry).
-2. ``offsets`` (one program): per-expert totals, padded segment offsets, the tile list, the
-   tile count and each counter's first slot inside its expert's segment.
-3. ``scatter``: ``route_slot`` and ``sorted_routes`` (padding slots hold the sentinel,
-   pre-filled by the caller).
+1. ``count`` (the routes' grid): each route's local expert (masking, ``expert_map``); its rank inside the expert
+   claimed with an integer atomic on one of ``SUBS`` counters per expert (program p counts on counter p % SUBS: an
+   expert's routes queue on one address otherwise, 18 us of atomics at 65536 routes over 288 experts). The last
+   program to arrive (an arrival counter, ``done``) reads and zeroes the counters and writes per-expert totals,
+   padded segment offsets, the tile list, the tile count and each counter's first slot inside its expert's segment.
+2. ``scatter`` (the routes' grid): ``route_slot`` and ``sorted_routes``; its programs also write the sentinel into
+   every padding slot (``sorted_routes`` past each expert's routes and past the last tile), disjoint from the routes'.
 
-Up to ``BLOCK`` routes (decode, small batches), ``route_pack_small_kernel`` does all of it, the
-zero fill and the sentinel fill included, in one program: one launch instead of five, and two global
-round trips (ids, rank atomics) instead of four.
+The rank counters and ``done`` are zero between calls (zeros when the workspace is made; the count kernel's last
+program zeroes them), so no launch clears them.
+
+Up to ``BLOCK`` routes (decode, small batches), ``route_pack_small_kernel`` does all of it in one program: the counts
+in registers, the ranks on the expert counts it zeroes first, the sentinel fill before the scatter.
 """
 import triton
 import triton.language as tl
@@ -30,11 +31,14 @@ def _local_experts(ids_ptr, expert_map_ptr, offs, num_routes, num_experts, num_g
     return tl.where(valid, local, -1), valid
 
 
-@triton.jit
-def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, route_expert_ptr, route_rank_ptr,
-                       num_routes, num_experts, num_global,
-                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, SUBS: tl.constexpr):
-    """``counts_ptr``: [SUBS, num_experts] counters; this program's routes rank on row program_id % SUBS."""
+@triton.jit(do_not_specialize=["num_routes", "max_tiles"])
+def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, done_ptr, route_expert_ptr, route_rank_ptr,
+                       expert_counts_ptr, offsets_ptr, sub_offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr,
+                       num_routes, num_experts, num_global, max_tiles,
+                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, SUBS: tl.constexpr, BT: tl.constexpr,
+                       E_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr):
+    """``counts_ptr``: [SUBS, num_experts] counters; this program's routes rank on row program_id % SUBS. The last
+    program to finish computes the pack's offsets and tiles from the complete counters (``_pack_offsets``)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     local, valid = _local_experts(ids_ptr, expert_map_ptr, offs, num_routes, num_experts, num_global, HAS_MAP)
@@ -42,24 +46,36 @@ def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, route_expert_ptr, ro
     rank = tl.atomic_add(counter, tl.full((BLOCK,), 1, tl.int32), mask=valid)
     tl.store(route_expert_ptr + offs, local.to(tl.int32), mask=offs < num_routes)
     tl.store(route_rank_ptr + offs, rank, mask=valid)
+    # every thread's rank atomics before the arrival (CTA barrier, then a release by the arriving thread); the last
+    # arrival's acquire makes all programs' counts visible to it
+    tl.debug_barrier()
+    arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        _pack_offsets(counts_ptr, expert_counts_ptr, offsets_ptr, sub_offsets_ptr, tile_expert_ptr, tile_start_ptr,
+                      num_tiles_ptr, num_experts, max_tiles, BT, E_BLOCK, T_BLOCK, SUBS)
+        tl.atomic_xchg(done_ptr, 0)
 
 
 @triton.jit
-def route_offsets_kernel(counts_ptr, expert_counts_ptr, offsets_ptr, sub_offsets_ptr, tile_expert_ptr, tile_start_ptr,
-                         num_tiles_ptr, num_experts, max_tiles,
-                         BT: tl.constexpr, E_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, SUBS: tl.constexpr):
-    """From the [SUBS, num_experts] counters: the totals, the pack's offsets and tiles, and ``sub_offsets`` [SUBS,
-    num_experts], the first slot of each counter's routes (counter s after counters 0 .. s - 1 of its expert)."""
+def _pack_offsets(counts_ptr, expert_counts_ptr, offsets_ptr, sub_offsets_ptr, tile_expert_ptr, tile_start_ptr,
+                  num_tiles_ptr, num_experts, max_tiles, BT: tl.constexpr, E_BLOCK: tl.constexpr,
+                  T_BLOCK: tl.constexpr, SUBS: tl.constexpr):
+    """From the [SUBS, num_experts] counters (read and zeroed in one atomic exchange each): the totals, the pack's
+    offsets and tiles, and ``sub_offsets`` [SUBS, num_experts], the first slot of each counter's routes (counter s
+    after counters 0 .. s - 1 of its expert)."""
     e = tl.arange(0, E_BLOCK)
     s = tl.arange(0, SUBS)
-    sub_counts = tl.load(counts_ptr + s[:, None] * num_experts + e[None, :], mask=(e < num_experts)[None, :], other=0)
+    in_e = (e < num_experts)[None, :] & (s >= 0)[:, None]
+    sub_counts = tl.atomic_xchg(counts_ptr + s[:, None] * num_experts + e[None, :],
+                                tl.zeros((SUBS, E_BLOCK), tl.int32), mask=in_e)
+    sub_counts = tl.where(in_e, sub_counts, 0)
     counts = tl.sum(sub_counts, axis=0)
     tl.store(expert_counts_ptr + e, counts, mask=e < num_experts)
     first_slot = _offsets_and_tiles(counts, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr, num_experts,
                                     max_tiles, BT, E_BLOCK, T_BLOCK)
     before = tl.cumsum(sub_counts, axis=0) - sub_counts
-    tl.store(sub_offsets_ptr + s[:, None] * num_experts + e[None, :], first_slot[None, :] + before,
-             mask=(e < num_experts)[None, :])
+    tl.store(sub_offsets_ptr + s[:, None] * num_experts + e[None, :], first_slot[None, :] + before, mask=in_e)
 
 
 @triton.jit
@@ -89,10 +105,13 @@ def _offsets_and_tiles(counts, offsets_ptr, tile_expert_ptr, tile_start_ptr, num
     return tile_first * BT
 
 
-@triton.jit
-def route_scatter_kernel(route_expert_ptr, route_rank_ptr, sub_offsets_ptr, route_slot_ptr, sorted_routes_ptr,
-                         num_routes, num_experts, BLOCK: tl.constexpr, SUBS: tl.constexpr):
-    """On the count kernel's grid: a route's slot is its counter's first slot plus its rank on that counter."""
+@triton.jit(do_not_specialize=["num_routes", "max_rows"])
+def route_scatter_kernel(route_expert_ptr, route_rank_ptr, sub_offsets_ptr, expert_counts_ptr, offsets_ptr,
+                         tile_expert_ptr, num_tiles_ptr, route_slot_ptr, sorted_routes_ptr, num_routes, num_experts,
+                         max_rows, BT: tl.constexpr, BLOCK: tl.constexpr, SUBS: tl.constexpr):
+    """On the count kernel's grid: a route's slot is its counter's first slot plus its rank on that counter. The
+    programs also stride over the ``max_rows`` slots and write the sentinel into the padding ones: past the last
+    listed tile, or past the routes of their tile's expert (the routes' slots are the others: no write overlaps)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < num_routes
@@ -102,6 +121,16 @@ def route_scatter_kernel(route_expert_ptr, route_rank_ptr, sub_offsets_ptr, rout
     slot = tl.load(sub_offsets_ptr + (pid % SUBS) * num_experts + local, mask=valid, other=0) + rank
     tl.store(route_slot_ptr + offs, tl.where(valid, slot, -1), mask=in_range)
     tl.store(sorted_routes_ptr + slot, offs, mask=valid)
+    used_tiles = tl.load(num_tiles_ptr)
+    for s0 in range(pid * BLOCK, max_rows, tl.num_programs(0) * BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        tile = s // BT
+        listed = (s < max_rows) & (tile < used_tiles)
+        expert = tl.load(tile_expert_ptr + tile, mask=listed, other=0)
+        end = tl.load(offsets_ptr + expert, mask=listed, other=0) + tl.load(expert_counts_ptr + expert, mask=listed,
+                                                                             other=0)
+        pad = (s < max_rows) & ((tile >= used_tiles) | (s >= end))
+        tl.store(sorted_routes_ptr + s, tl.full((BLOCK,), -1, tl.int32), mask=pad)
 
 
 @triton.jit
@@ -111,8 +140,8 @@ def route_pack_small_kernel(ids_ptr, expert_map_ptr, counts_ptr, offsets_ptr, ti
                             HAS_MAP: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
                             T_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The whole pack for at most ``BLOCK`` routes in one program: the counts in registers (a histogram),
-    ranks from integer atomics (the only global round trip after the id loads), fills ordered before the
-    scatters by CTA barriers. ``PDL``: launched with programmatic dependent launch (wait for the previous
+    ranks from integer atomics on ``counts_ptr`` (the pack's expert counts, zeroed first; the only global round trip
+    after the id loads), fills ordered before the scatters by CTA barriers. ``PDL``: launched with programmatic dependent launch (wait for the previous
     kernel, which may still read the last pack)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
