@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from .activation import ACTIVATIONS
-from .op import expert_tensors, workspace_handle
-from .prepare import PreparedExperts, check_layout_version
+from .op import workspace_handle
+from .prepare import PreparedExperts, check_layout_version, expert_tensors
 from .selection import PRECISIONS, select_precision
 from .workspace import Workspace, WorkspacePlan
 

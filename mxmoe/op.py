@@ -8,9 +8,9 @@ Schema (plain tensors, floats, strings)::
 
 How the library's objects cross the boundary:
 
-* a :class:`~mxmoe.PreparedExperts` as its tensors, ``weights`` = ``[w13, w13_scale, w2, w2_scale, w13_ref,
+* a :class:`~mxmoe.PreparedExperts` as its tensors (``prepare.expert_tensors``), ``weights`` = ``[w13, w13_scale, w2, w2_scale, w13_ref,
   w2_ref, w13_fold, w2_fold, w13_scale_restore, w2_scale_restore]`` and ``extras`` = ``[b13, b2, w13_global_scale, w2_global_scale]`` (each may be None),
-  and its host flag ``all_fold`` (:func:`expert_tensors` gives all three);
+  and its host flag ``all_fold``;
 * a :class:`~mxmoe.Workspace` as an int handle (:func:`workspace_handle`; -1: none, the cached workspace), or a
   module's workspace plan the same way (the op plans its workspace when it runs, also in a compiled graph). A
   workspace is scratch: what the op writes there is never read by the caller, so it is not an argument PyTorch has to
@@ -32,7 +32,7 @@ import torch
 
 from ._details import interpreting
 from ._details.launch import run_layer
-from .prepare import PreparedExperts, expert_tensors, experts_from_tensors  # noqa: F401 (re-exported)
+from .prepare import experts_from_tensors
 from .reference import fused_moe_reference
 from .selection import plan_layer
 from .workspace import lookup_workspace

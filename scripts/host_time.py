@@ -1,9 +1,10 @@
-"""Host time of one eager call, through each entry: ``fused_moe`` (validation + the custom op), the op alone, and the
-launcher alone (``run_fused_moe``, what ran before the op existed).
+"""Host time of one eager call, through each entry: ``fused_moe`` (validation + the custom op), the op through the
+dispatcher, the op's Python body called directly (``op.fused_moe_op``: the op's cost is the difference), and the
+launcher alone (``launch.run_layer``).
 
-Method: the GPU is kept busy by a long sleep kernel so that no launch waits on the device; then ``CALLS`` calls are
-issued back to back and each is timed on the host (``time.perf_counter``); the median over calls and rounds is
-reported. ``CALLS`` stays well under the launch queue's depth. ``lone_ms``: one synchronized call, event-timed.
+Method (``bench.timing.host_ms``): the GPU is kept busy by a long sleep kernel so that no launch waits on the device;
+calls are issued back to back and each is timed on the host; the median over calls and rounds is reported.
+``lone_ms``: one synchronized call, event-timed. Also the launch-plan counters (``launch.PLAN_STATS``).
 
     PYTHONPATH=$PWD python3 scripts/host_time.py [--tokens 1,64,1024,8192] [--json PATH]
 """
@@ -11,42 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import mxmoe
 from mxmoe import bench, testing
-from mxmoe.op import expert_tensors, workspace_handle
+from mxmoe._details.config import overrides
+from mxmoe._details.launch import PLAN_STATS, run_layer
+from mxmoe.bench.timing import host_ms, lone_ms
+from mxmoe.op import fused_moe_op
+from mxmoe.op import workspace_handle
+from mxmoe.prepare import expert_tensors
 
-CALLS = 12
-ROUNDS = 5
-
-
-def host_ms(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
-    samples = []
-    for _ in range(rounds):
-        torch.cuda._sleep(int(2e9) // 1000 * 50)  # ~50 ms of GPU time at ~2 GHz
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return 1e3 * statistics.median(samples)
-
-
-def lone_ms(fn, n: int = 10) -> float:
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def _through_jit(fn):
+    with overrides(pdl=True):  # any overrides set: the launcher keeps no plan
+        return fn()
 
 
 def main() -> None:
@@ -54,7 +34,6 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,64,1024,8192")
     ap.add_argument("--json")
     args = ap.parse_args()
-    from mxmoe._details.launch import run_fused_moe
     from mxmoe.selection import plan_layer
 
     shape = bench.PRESETS["ref"]
@@ -75,8 +54,12 @@ def main() -> None:
                 "op": lambda: torch.ops.mxmoe.fused_moe(inp.x, weights, extras, inp.topk_weights, inp.topk_ids, None,
                                                         out, "silu", None, None, precision, all_fold,
                                                         workspace_handle(ws)),
-                "launcher": lambda: run_fused_moe(inp.x, experts, inp.topk_weights, inp.topk_ids, plan, None, out, ws),
+                "body": lambda: fused_moe_op(inp.x, weights, extras, inp.topk_weights, inp.topk_ids, None, out, "silu",
+                                             None, None, precision, all_fold, workspace_handle(ws)),
+                "launcher": lambda: run_layer(inp.x, weights, extras, all_fold, inp.topk_weights, inp.topk_ids, None,
+                                              out, plan, ws),
             }
+            arms["jit"] = lambda: _through_jit(arms["fused_moe"])  # the A/B: no plan, every launch through the JIT
             row = {"T": T, "precision": precision}
             for name, fn in arms.items():
                 for _ in range(3):
@@ -86,10 +69,12 @@ def main() -> None:
             row["lone_ms"] = lone_ms(arms["fused_moe"])
             rows.append(row)
             print(row, flush=True)
-    print(f"{'T':>6} {'prec':>6} {'fused_moe':>10} {'op':>8} {'launcher':>9} {'lone':>8}   (host ms; lone: event ms)")
+    print(f"plans: {PLAN_STATS}")
+    print(f"{'T':>6} {'prec':>6} {'fused_moe':>10} {'op':>8} {'body':>8} {'launcher':>9} {'jit':>8} {'lone':>8}   (host "
+          "ms; jit: fused_moe without plans; lone: event ms)")
     for r in rows:
         print(f"{r['T']:>6} {r['precision']:>6} {r['fused_moe_host_ms']:>10.3f} {r['op_host_ms']:>8.3f} "
-              f"{r['launcher_host_ms']:>9.3f} {r['lone_ms']:>8.3f}")
+              f"{r['body_host_ms']:>8.3f} {r['launcher_host_ms']:>9.3f} {r['jit_host_ms']:>8.3f} {r['lone_ms']:>8.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

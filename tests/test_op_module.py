@@ -11,7 +11,8 @@ import torch
 
 import mxmoe
 from mxmoe import testing
-from mxmoe.op import expert_tensors, workspace_handle
+from mxmoe.op import workspace_handle
+from mxmoe.prepare import expert_tensors
 
 from test_format import gpt_oss_state_dict
 

@@ -25,6 +25,38 @@ from .problem import ROUNDS, SAMPLES
 Sampler = Callable[[Callable[[], object], int], list]
 
 
+HOST_CALLS = 12  # eager calls per host-time round: well under the launch queue's depth (no launch waits)
+HOST_ROUNDS = 5
+
+
+def host_ms(fn: Callable[[], object], calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> float:
+    """Median host wall time of one eager call of ``fn`` (ms), with the GPU kept busy by a ~50 ms sleep kernel so
+    that no launch waits on the device: ``calls`` calls back to back per round, each timed with ``perf_counter``."""
+    samples = []
+    for _ in range(rounds):
+        torch.cuda._sleep(50_000_000)  # ~50 ms of GPU time at ~1-2 GHz
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return 1e3 * statistics.median(samples)
+
+
+def lone_ms(fn: Callable[[], object], n: int = 10) -> float:
+    """Median event time of one call of ``fn`` issued after a synchronize (ms): the host's launch time shows."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def round_orders(names: Sequence[str], rounds: int = ROUNDS) -> list[list[str]]:
     """Arm order of each round: as given, reversed, as given, ..."""
     return [list(names) if r % 2 == 0 else list(reversed(names)) for r in range(rounds)]

@@ -1,0 +1,213 @@
+"""Launch plans (``mxmoe._details.launch_plan``) and the launches a call makes.
+
+CPU: a plan keeps each launch's arguments with the call tensors as holes and every other pointer as an int, refuses
+what it could not keep, and replays with new call tensors; the launch sequence of a call has the expected number of
+kernels and no torch op but views. GPU (marked): the first call of a kind records a plan, the next ones hit it, and
+plan replays are bitwise the JIT's launches, also with new inputs, under graph capture, and when the environment
+changes between calls.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mxmoe
+from mxmoe import testing
+from mxmoe._details.launch_plan import KernelLaunch, LaunchPlan
+
+
+def _two_pointer_kernel(a_ptr, pair, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = 3):
+    pass
+
+
+_TWO_POINTER_PARAMS = JITFunction(_two_pointer_kernel).params  # (a JITFunction also under the interpreter)
+
+
+class _FakeCompiled:
+    function, packed_metadata = 11, "packed"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _FakeKernel:
+    """A JIT kernel's interface as ``KernelLaunch`` and ``LaunchPlan`` use it: ``params``, ``kernel[grid](...)``."""
+
+    def __init__(self):
+        self.params = _TWO_POINTER_PARAMS
+        self.compiled = _FakeCompiled()
+        self.jit_calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.jit_calls.append((grid, args, meta))
+            return self.compiled
+        return launch
+
+
+def test_a_plan_keeps_constants_as_ints_and_fills_the_call_tensors_in():
+    kernel = _FakeKernel()
+    owned = torch.zeros(64, dtype=torch.int32)
+    x, out = torch.ones(8), torch.zeros(8)
+    launch = KernelLaunch(kernel, (5,), (x, (owned[16:], out), 7), dict(BLOCK=32, num_warps=4))
+    plan = LaunchPlan.record([launch], (x, None, None, None, out), owned=[owned])
+    assert len(kernel.jit_calls) == 1 and len(plan) == 1  # recording is the first call's launch
+    plan.run((1000, 0, 0, 0, 2000), stream=9)
+    (args,) = kernel.compiled.launches
+    assert args[:9] == (5, 1, 1, 9, 11, "packed", None, None, None)
+    # every parameter in order, the constexprs with their given or default values
+    assert args[9:] == (1000, (owned.data_ptr() + 64, 2000), 7, 32, 3)
+    plan.run((3000, 0, 0, 0, 4000), stream=9)
+    assert kernel.compiled.launches[1][9:11] == (3000, (owned.data_ptr() + 64, 4000))
+
+
+def test_a_plan_refuses_pointers_it_could_not_keep():
+    owned, x = torch.zeros(64), torch.ones(8)
+    with pytest.raises(AssertionError, match="view of a call tensor"):
+        LaunchPlan.record([KernelLaunch(_FakeKernel(), (1,), (x[2:], owned, 1), dict(BLOCK=2))],
+                          (x, None, None, None, None), owned=[owned])
+    temporary = torch.zeros(4)
+    with pytest.raises(AssertionError, match="outside the experts and the workspace"):
+        LaunchPlan.record([KernelLaunch(_FakeKernel(), (1,), (x, temporary, 1), dict(BLOCK=2))],
+                          (x, None, None, None, None), owned=[owned])
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+VIEW_OPS = {"slice", "view", "alias", "as_strided", "select", "_reshape_alias", "detach"}
+
+
+@pytest.mark.parametrize("T,path,expected", [
+    (3, "w4a16", ["route_pack_small", "moe_gemm", "moe_gemm", "topk_sum"]),
+    (600, "w4a16", ["route_count", "route_scatter", "moe_gemm", "moe_gemm", "topk_sum"]),
+    (600, "w4a8", ["route_count", "route_scatter", "quantize_rows", "moe_gemm", "quantize_rows", "moe_gemm",
+                   "topk_sum"]),
+])
+def test_a_call_launches_these_kernels_and_no_torch_op(T, path, expected):
+    """The plain-Triton sequence (the CPU's; the GPU's Gluon kernels add the direct path at T <= 4: two launches).
+    Describing a call runs no torch op but views: no fill, no zeroing."""
+    from mxmoe._details.launch import describe
+    from mxmoe.selection import plan_layer
+
+    E, H, I, top_k = 6, 64, 64, 2
+    experts, _ = testing.make_experts(E, H, I, seed=0)
+    ws = mxmoe.Workspace(experts, T, top_k, fp8=True)
+    x = torch.randn(T, H).bfloat16()
+    ids = torch.randint(0, E, (T, top_k), dtype=torch.int32)
+    w = torch.rand(T, top_k)
+    out, plan = torch.empty_like(x), plan_layer(T * top_k, precision=path)
+    with _OpNames() as ops:
+        launches = describe(x, experts, w, ids, plan, None, out, ws)[0]
+    names = [launch.kernel.fn.__name__.removesuffix("_kernel") for launch in launches]
+    assert names == expected
+    assert ops.names <= VIEW_OPS, ops.names - VIEW_OPS
+
+
+# --------------------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_problem(T, E=16, H=512, I=256, top_k=4, seed=0):
+    experts, _ = testing.make_experts(E, H, I, seed=seed, device="cuda", gen_device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed + T)
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    ids = torch.randint(0, E, (T, top_k), generator=g, device="cuda", dtype=torch.int32)
+    w = torch.rand(T, top_k, generator=g, device="cuda")
+    return experts, x, w, ids
+
+
+def _jit(fn):
+    """``fn`` with the launches through the JIT (any overrides set: no plan)."""
+    from mxmoe._details.config import overrides
+
+    with overrides(pdl=True):
+        return fn()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 40, 700])
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("ids_dtype,mapped", [(torch.int32, False), (torch.int64, True)])
+def test_plans_replay_bitwise_the_jit_launches(T, precision, ids_dtype, mapped):
+    from mxmoe._details.launch import PLAN_STATS
+
+    experts, x, w, ids = _gpu_problem(T)
+    emap = None
+    if mapped:  # 20 global experts, 4 of them elsewhere
+        emap = torch.tensor([*range(16), -1, -1, -1, -1], dtype=torch.int32, device="cuda")
+        ids = torch.where(ids % 5 == 0, ids + 4, ids)
+    ids = ids.to(ids_dtype)
+    ws = mxmoe.Workspace(experts, T, ids.shape[1], fp8=True)
+    kw = dict(precision=precision, workspace=ws, expert_map=emap)
+    expected = _jit(lambda: mxmoe.fused_moe(x, experts, w, ids, **kw))
+    before = dict(PLAN_STATS)
+    first = mxmoe.fused_moe(x, experts, w, ids, **kw)
+    second = mxmoe.fused_moe(x, experts, w, ids, **kw)
+    assert PLAN_STATS["recorded"] == before["recorded"] + 1 and PLAN_STATS["hits"] == before["hits"] + 1
+    assert torch.equal(first.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(second.view(torch.int16), expected.view(torch.int16))
+    # new call tensors (other addresses, other values) through the same plan
+    x2, w2 = torch.randn_like(x.float()).bfloat16(), torch.rand_like(w)
+    ids2 = ids.flip(0).contiguous()
+    out2 = torch.full_like(x, float("nan"))
+    mxmoe.fused_moe(x2, experts, w2, ids2, out=out2, **kw)
+    assert PLAN_STATS["hits"] == before["hits"] + 2
+    expected2 = _jit(lambda: mxmoe.fused_moe(x2, experts, w2, ids2, **kw))
+    assert torch.equal(out2.view(torch.int16), expected2.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_a_graph_captures_a_plan_replay():
+    experts, x, w, ids = _gpu_problem(5)
+    ws = mxmoe.Workspace(experts, 5, 4)
+    out = torch.empty_like(x)
+    for _ in range(2):  # record, then hit
+        mxmoe.fused_moe(x, experts, w, ids, out=out, workspace=ws)
+    eager = out.clone()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mxmoe.fused_moe(x, experts, w, ids, out=out, workspace=ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_plans_follow_the_environment_between_calls(monkeypatch):
+    from mxmoe._details.launch import PLAN_STATS
+
+    experts, x, w, ids = _gpu_problem(64)
+    ws = mxmoe.Workspace(experts, 64, 4, fp8=True)
+    monkeypatch.setenv("MXMOE_FP8_PREFILL_MIN_ROWS", "0")
+    out16, ran = mxmoe.fused_moe(x, experts, w, ids, workspace=ws, return_precision=True)
+    assert ran == "w4a16"
+    monkeypatch.setenv("MXMOE_FP8_PREFILL_MIN_ROWS", "128")
+    out8, ran = mxmoe.fused_moe(x, experts, w, ids, workspace=ws, return_precision=True)
+    assert ran == "w4a8"
+    assert torch.equal(out8.view(torch.int16), _jit(lambda: mxmoe.fused_moe(x, experts, w, ids, precision="w4a8",
+                                                                           workspace=ws)).view(torch.int16))
+    monkeypatch.setenv("MXMOE_KERNEL", "triton")  # another kernel choice: another plan
+    recorded = PLAN_STATS["recorded"]
+    plain = mxmoe.fused_moe(x, experts, w, ids, workspace=ws, precision="w4a16")
+    assert PLAN_STATS["recorded"] == recorded + 1
+    assert torch.equal(plain.view(torch.int16), _jit(lambda: mxmoe.fused_moe(x, experts, w, ids, precision="w4a16",
+                                                                            workspace=ws)).view(torch.int16))
+    assert relative_l2_ok(plain, out16)
+
+
+def relative_l2_ok(a, b) -> bool:
+    return mxmoe.relative_l2(a, b) < 1e-2
