@@ -231,7 +231,7 @@ def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch)
     for ids_rows in (rows, [[-1] * top_k] * T):
         ids = torch.tensor(ids_rows, dtype=ids_dtype, device="cuda")
         with monkeypatch.context() as m:
-            m.setattr(launch, "device_route_pack", lambda *a, **k: pytest.fail("route pack launched"))
+            m.setattr(launch, "route_pack_launches", lambda *a, **k: pytest.fail("route pack launched"))
             m.setattr(launch, "topk_sum_kernel", None)  # GEMM2 sums the routes (Overrides.direct_sum)
             direct = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
         assert (ws.sum_counters == 0).all()  # the last arrival reset each (token, column block) counter

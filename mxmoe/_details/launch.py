@@ -299,7 +299,7 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
         workspace = (scratch or default_plan()).for_call(experts, T, top_k, plan.fp8)
     if T == 0:
         return out
-    plans = _PLANS.get(workspace) if _plans_apply(x) else None
+    plans = _PLANS.setdefault(workspace, {}) if _plans_apply(x) else None
     key = None
     if plans is not None:
         key = plan_key(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan)
@@ -319,7 +319,6 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
                                  owned=[*weights, *extras, *workspace.tensors()])
     if recorded is not None:
         PLAN_STATS["recorded"] += 1
-        plans = _PLANS.setdefault(workspace, {})
         if len(plans) >= PLANS_PER_WORKSPACE:
             del plans[next(iter(plans))]
         plans[key] = recorded
