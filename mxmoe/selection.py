@@ -1,6 +1,7 @@
 """Path selection between W4A16 and W4A8 (SPEC §6)."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -17,8 +18,14 @@ PRECISIONS = ("auto",) + PATHS  # what a caller may ask for
 
 
 def fp8_min_rows() -> int:
-    """The FP8 prefill threshold from ``MXMOE_FP8_PREFILL_MIN_ROWS`` (unset/empty = 0 = off)."""
-    raw = os.environ.get(ENV_MIN_ROWS, "").strip()
+    """The FP8 prefill threshold from ``MXMOE_FP8_PREFILL_MIN_ROWS`` (unset/empty = 0 = off), read at every call (a
+    change between calls applies to the next); its parse is cached."""
+    return _parse_min_rows(os.environ.get(ENV_MIN_ROWS, ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_min_rows(raw: str) -> int:
+    raw = raw.strip()
     if raw == "":
         return 0
     if not re.fullmatch(r"\+?\d+", raw):
@@ -67,5 +74,11 @@ class LayerPlan:
 def plan_layer(rows: int, *, precision: str = "auto", activation: str = "silu", swiglu_limit: Optional[float] = None,
                swiglu_alpha: Optional[float] = None, capturing: Optional[bool] = None) -> LayerPlan:
     """The :class:`LayerPlan` of a call of ``rows = T * top_k`` routed rows (:func:`select_precision`'s rule)."""
-    limit, alpha = activation_params(activation, swiglu_limit, swiglu_alpha)
-    return LayerPlan(select_precision(rows, precision=precision, capturing=capturing), activation, limit, alpha)
+    return _layer_plan(select_precision(rows, precision=precision, capturing=capturing), activation, swiglu_limit,
+                       swiglu_alpha)
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_plan(path: str, activation: str, swiglu_limit: Optional[float], swiglu_alpha: Optional[float]) -> LayerPlan:
+    """One LayerPlan object per kind of call (they key the launch plans: made and hashed once)."""
+    return LayerPlan(path, activation, *activation_params(activation, swiglu_limit, swiglu_alpha))

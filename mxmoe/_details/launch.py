@@ -302,12 +302,12 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
     plans = _PLANS.setdefault(workspace, {}) if _plans_apply(x) else None
     key = None
     if plans is not None:
-        key = plan_key(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan)
+        ptrs = _call_ptrs(x, topk_weights, topk_ids, expert_map, out)
+        key = plan_key(ptrs, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan)
         found = plans.get(key)
         if found is not None:
             PLAN_STATS["hits"] += 1
-            found.run(_call_ptrs(x, topk_weights, topk_ids, expert_map, out),
-                      torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+            found.run(ptrs, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
             return out
     if experts is None:
         experts = experts_from_tensors(weights, extras, all_fold)
@@ -325,16 +325,15 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
     return out
 
 
-def plan_key(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan: LayerPlan) -> tuple:
+def plan_key(ptrs, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan: LayerPlan) -> tuple:
     """What a launch plan depends on besides its workspace: T and top_k (every grid and count), the layer plan (path,
     activation), the experts' tensors (addresses, shapes: constants of the plan), the call tensors' dtypes and
-    16-byte alignment (the JIT specializes on both), expert_map's length, the kernel choice (``MXMOE_KERNEL``) and
+    16-byte alignment (``ptrs``: their addresses, ``_call_ptrs``; the JIT specializes on both), expert_map's length, the kernel choice (``MXMOE_KERNEL``) and
     the current device."""
-    ptrs = _call_ptrs(x, topk_weights, topk_ids, expert_map, x)
     return (topk_ids.shape, plan, all_fold, topk_weights.dtype, topk_ids.dtype,
-            -1 if expert_map is None else expert_map.numel(), tuple(p % 16 == 0 for p in ptrs),
-            tuple(t.data_ptr() if t is not None else 0 for t in weights), weights[0].shape, weights[2].shape,
-            tuple(t.data_ptr() if t is not None else 0 for t in extras),
+            -1 if expert_map is None else expert_map.numel(), tuple([p % 16 for p in ptrs]),
+            tuple([t.data_ptr() for t in weights]), weights[0].shape, weights[2].shape,
+            tuple([0 if t is None else t.data_ptr() for t in extras]),
             os.environ.get("MXMOE_KERNEL"), torch._C._cuda_getDevice())
 
 
@@ -347,8 +346,11 @@ def _plans_apply(x) -> bool:
     """Plans apply on CUDA, on the Triton release they were validated on (the compiled kernel's launcher is called
     as that release's JIT calls it), with the library's own settings (``config.overrides`` unset: tools and tests
     launch through the JIT), and while no Triton launch hook listens (a profiler gets every launch's metadata)."""
-    return (x.is_cuda and current_overrides() is DEFAULT_OVERRIDES and gluon_validated(triton.__version__)
-            and not interpreting() and not _launch_hooks())
+    return (x.is_cuda and current_overrides() is DEFAULT_OVERRIDES and _COMPILED_KERNELS
+            and gluon_validated(triton.__version__) and not _launch_hooks())
+
+
+_COMPILED_KERNELS = not interpreting()  # (Triton chose compiled or interpreted kernels when they were defined)
 
 
 def _launch_hooks() -> bool:

@@ -52,12 +52,24 @@ def run_launches(launches: Sequence[KernelLaunch]) -> list:
 
 @dataclass(frozen=True)
 class _Step:
-    run: Callable  # the compiled kernel's launcher
-    function: int
-    packed_metadata: Any
+    run: Callable  # the launcher: called as run(*grid, stream, *fixed, *args)
+    fixed: tuple  # the launcher's arguments between the stream and the kernel's
     grid: tuple  # (x, y, z)
     args: tuple  # every parameter in order (constexprs too, as the JIT passes them); pointers as ints
     holes: tuple  # (argument index, index inside a bundle or -1, call-tensor index)
+
+
+def _launcher(compiled) -> tuple:
+    """``(run, fixed)`` of a compiled kernel: its C launch function itself where the kernel needs no scratch memory
+    (Triton 3.6's ``CudaLauncher.__call__`` only allocates that, then calls it with these flags), else the wrapper
+    as the JIT calls it."""
+    wrapper = compiled.run
+    launch = getattr(wrapper, "launch", None)
+    if launch is not None and getattr(wrapper, "global_scratch_size", 1) == 0 \
+            and getattr(wrapper, "profile_scratch_size", 1) == 0:
+        return launch, (compiled.function, wrapper.launch_cooperative_grid, wrapper.launch_pdl, None, None,
+                        compiled.packed_metadata, None, None, None)
+    return wrapper, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class LaunchPlan:
@@ -90,8 +102,7 @@ class LaunchPlan:
                 else:
                     args.append(_constant(value, call, ranges, holes, i, -1))
             grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-            steps.append(_Step(compiled.run, compiled.function, compiled.packed_metadata, grid, tuple(args),
-                               tuple(holes)))
+            steps.append(_Step(*_launcher(compiled), grid, tuple(args), tuple(holes)))
         return cls(steps)
 
     def run(self, ptrs: Sequence[int], stream: int) -> None:
@@ -107,7 +118,7 @@ class LaunchPlan:
                         bundle[j] = ptrs[h]
                         args[i] = tuple(bundle)
             gx, gy, gz = step.grid
-            step.run(gx, gy, gz, stream, step.function, step.packed_metadata, None, None, None, *args)
+            step.run(gx, gy, gz, stream, *step.fixed, *args)
 
     def __len__(self) -> int:
         return len(self.steps)

@@ -44,7 +44,7 @@ from . import arms
 from .arms import ARM_NAMES, Arm, HummingArm, HummingW4A8Arm, MxmoeArm, TorchGroupedMMArm, all_arms
 from .problem import (DEFAULT_TOKENS, GRAPH_MAX_ROWS, PRESETS, ROUNDS, SAMPLES, Inputs, Shape, _floor_ms,
                       make_inputs, parse_shape, parse_tokens)
-from .timing import (HUMMING_GEMM_KERNEL, capture_graph, collect_environment, cuda_event_sampler, gemm_alone_ms,
+from .timing import (HUMMING_GEMM_KERNEL, capture_graph, host_ms, lone_ms, collect_environment, cuda_event_sampler, gemm_alone_ms,
                      gpu_snapshot, interleaved_samples, kernel_times, measure_floors, median, position_medians,
                      round_orders)
 
@@ -126,91 +126,17 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
 
     progress("preparing weights")
     experts, _ = testing.make_experts(shape.E, shape.H, shape.I, seed=cfg.seed, device=device, gen_device=device)
-    mem = experts.memory()
-    record["experts_memory"] = mem
-    wanted = set(cfg.arms) if cfg.arms else None
-    arms: list[Arm] = []
-    for arm in all_arms():
-        if wanted is not None and arm.name not in wanted:
-            continue
-        why = arm.unavailable()
-        info = record["arms"][arm.name] = {"what": arm.what, "rate": arm.rate}
-        if why:
-            info["status"] = why
-            continue
-        try:
-            progress(f"preparing {arm.name}")
-            arm.prepare(experts, shape, max(cfg.tokens))
-            info["status"] = "ok"
-            if getattr(arm, "note", None):
-                info["note"] = arm.note
-            if arm.gemm_kernel is not None:
-                info["gemm_kernels"] = (f"kernels matching {arm.gemm_kernel.pattern!r}: gemm_ms = their device "
-                                        "time per call (torch profiler, median of 5 eager calls, after all timings)")
-            arms.append(arm)
-        except Exception as exc:
-            info["status"] = f"error: {type(exc).__name__}: {exc}"
-        torch.cuda.synchronize()
+    record["experts_memory"] = experts.memory()
+    arms = _prepare_arms(cfg, experts, record, progress)
     for name, info in record["arms"].items():
         print(f"  {name:<28} {info['status']}", file=stream)
-
     rows = []
     for ti, T in enumerate(cfg.tokens):
-        inp = make_inputs(shape, T, device, cfg.seed)
-        # keep: each arm's eager callable and graph. A graph holds raw pointers into the tensors the
-        # callable's closure owns (inputs, output, scratch); dropping the closure would free them
-        # while replays still read and write there.
-        calls, meta, outputs, keep = {}, {}, {}, []
-        for arm in arms:
-            m = meta[arm.name] = {"T": T, "arm": arm.name, "rate": arm.rate, "distinct_experts": inp.distinct_experts}
-            try:
-                progress(f"T={T} ({ti + 1}/{len(cfg.tokens)}): warm-up {arm.name}")
-                fn = arm.make_call(inp)
-                for _ in range(cfg.warmup):
-                    res = fn()
-                torch.cuda.synchronize()
-                outputs[arm.name] = (res if isinstance(res, torch.Tensor) else None)
-                if outputs[arm.name] is not None:
-                    outputs[arm.name] = outputs[arm.name].clone()
-                m["mode"] = "eager"
-                if getattr(arm, "ran", None):
-                    m["precision_ran"] = arm.ran
-                if getattr(arm, "tiles", None):
-                    m["tiles"] = arm.tiles
-                if arm.graphable and T * shape.top_k <= cfg.graph_max_rows:
-                    try:
-                        graph = capture_graph(fn)
-                        keep.append((fn, graph))
-                        m["mode"] = "graph"
-                        fn = graph.replay
-                    except Exception as exc:
-                        m["graph_error"] = f"{type(exc).__name__}: {exc}"
-                        torch.cuda.synchronize()
-                calls[arm.name] = fn
-            except Exception as exc:
-                _record_error(m, "error", exc)
-        samples = interleaved_samples(
-            calls, cuda_event_sampler, rounds=cfg.rounds, samples=cfg.samples,
-            progress=lambda r, name: progress(f"T={T} ({ti + 1}/{len(cfg.tokens)}): round {r + 1}/{cfg.rounds} {name}"))
-        base_name = next((n for n in ("mxmoe-w4a16", "torch-grouped-mm-bf16") if outputs.get(n) is not None), None)
-        for arm in arms:
-            m = meta[arm.name]
-            if arm.name in samples:
-                t = median(samples[arm.name])
-                m.update(samples_ms=samples[arm.name], median_ms=t, tflops=shape.flops(T) / (t * 1e9))
-                fl = _floor_ms(shape, inp, arm.rate, floors)
-                if fl:
-                    m.update(floor_ms=fl, time_over_floor=t / fl)
-                if base_name and arm.name != base_name and outputs.get(arm.name) is not None:
-                    from .reference import relative_l2
-
-                    m["rel_l2_vs"] = base_name
-                    m["rel_l2"] = relative_l2(outputs[arm.name], outputs[base_name])
+        step = f"T={T} ({ti + 1}/{len(cfg.tokens)})"
+        for m in _time_tokens(cfg, arms, T, floors, device, lambda what: progress(f"{step}: {what}")):
             rows.append(m)
             record["results"].append(m)
         record.setdefault("clocks_after_T", {})[str(T)] = gpu_snapshot(device.index or 0)
-        del calls, outputs, keep
-        torch.cuda.synchronize()
     measure_gemms_alone([a for a in arms if a.gemm_kernel is not None], rows, cfg, device, progress)
     progress.done()
     for arm in arms:
@@ -223,6 +149,102 @@ def run_gpu_bench(cfg: BenchConfig, device: torch.device, stream: Optional[TextI
               f"  {'':<28} {info['what']}", file=stream)
     print(f"clocks at end: {_fmt_clocks(env.get('clocks_end'))}", file=stream)
     return record
+
+
+def _prepare_arms(cfg: BenchConfig, experts, record: dict, progress: Callable[[str], None]) -> list[Arm]:
+    """The arms that run here, prepared for the shape; each one's status in ``record["arms"]``."""
+    wanted = set(cfg.arms) if cfg.arms else None
+    arms: list[Arm] = []
+    for arm in all_arms():
+        if wanted is not None and arm.name not in wanted:
+            continue
+        why = arm.unavailable()
+        info = record["arms"][arm.name] = {"what": arm.what, "rate": arm.rate}
+        if why:
+            info["status"] = why
+            continue
+        try:
+            progress(f"preparing {arm.name}")
+            arm.prepare(experts, cfg.shape, max(cfg.tokens))
+            info["status"] = "ok"
+            if getattr(arm, "note", None):
+                info["note"] = arm.note
+            if arm.gemm_kernel is not None:
+                info["gemm_kernels"] = (f"kernels matching {arm.gemm_kernel.pattern!r}: gemm_ms = their device "
+                                        "time per call (torch profiler, median of 5 eager calls, after all timings)")
+            arms.append(arm)
+        except Exception as exc:
+            info["status"] = f"error: {type(exc).__name__}: {exc}"
+        torch.cuda.synchronize()
+    return arms
+
+
+def _time_tokens(cfg: BenchConfig, arms: Sequence[Arm], T: int, floors: Optional[dict], device: torch.device,
+                 progress: Callable[[str], None]) -> list[dict]:
+    """Every arm at T: interleaved timings (graph replays where the arm allows at small T, else eager calls), the
+    error against the W4A16 arm, and each arm's host time of an eager call (``host_ms``) and one synchronized call
+    (``lone_ms``). One row per arm."""
+    shape = cfg.shape
+    inp = make_inputs(shape, T, device, cfg.seed)
+    # keep: each arm's eager callable and graph. A graph holds raw pointers into the tensors the
+    # callable's closure owns (inputs, output, scratch); dropping the closure would free them
+    # while replays still read and write there.
+    calls, eager, meta, outputs, keep = {}, {}, {}, {}, []
+    for arm in arms:
+        m = meta[arm.name] = {"T": T, "arm": arm.name, "rate": arm.rate, "distinct_experts": inp.distinct_experts}
+        try:
+            progress(f"warm-up {arm.name}")
+            fn = eager[arm.name] = arm.make_call(inp)
+            for _ in range(cfg.warmup):
+                res = fn()
+            torch.cuda.synchronize()
+            outputs[arm.name] = (res if isinstance(res, torch.Tensor) else None)
+            if outputs[arm.name] is not None:
+                outputs[arm.name] = outputs[arm.name].clone()
+            m["mode"] = "eager"
+            if getattr(arm, "ran", None):
+                m["precision_ran"] = arm.ran
+            if getattr(arm, "tiles", None):
+                m["tiles"] = arm.tiles
+            if arm.graphable and T * shape.top_k <= cfg.graph_max_rows:
+                try:
+                    graph = capture_graph(fn)
+                    keep.append((fn, graph))
+                    m["mode"] = "graph"
+                    fn = graph.replay
+                except Exception as exc:
+                    m["graph_error"] = f"{type(exc).__name__}: {exc}"
+                    torch.cuda.synchronize()
+            calls[arm.name] = fn
+        except Exception as exc:
+            _record_error(m, "error", exc)
+    samples = interleaved_samples(calls, cuda_event_sampler, rounds=cfg.rounds, samples=cfg.samples,
+                                  progress=lambda r, name: progress(f"round {r + 1}/{cfg.rounds} {name}"))
+    for name in calls:  # the host's side of an eager call, after the timings (the GPU kept busy meanwhile)
+        progress(f"host time {name}")
+        try:
+            meta[name].update(host_ms=host_ms(eager[name]), lone_ms=lone_ms(eager[name]))
+        except Exception as exc:
+            _record_error(meta[name], "host_error", exc)
+    base_name = next((n for n in ("mxmoe-w4a16", "torch-grouped-mm-bf16") if outputs.get(n) is not None), None)
+    rows = []
+    for arm in arms:
+        m = meta[arm.name]
+        if arm.name in samples:
+            t = median(samples[arm.name])
+            m.update(samples_ms=samples[arm.name], median_ms=t, tflops=shape.flops(T) / (t * 1e9))
+            fl = _floor_ms(shape, inp, arm.rate, floors)
+            if fl:
+                m.update(floor_ms=fl, time_over_floor=t / fl)
+            if base_name and arm.name != base_name and outputs.get(arm.name) is not None:
+                from ..reference import relative_l2
+
+                m["rel_l2_vs"] = base_name
+                m["rel_l2"] = relative_l2(outputs[arm.name], outputs[base_name])
+        rows.append(m)
+    del calls, eager, outputs, keep
+    torch.cuda.synchronize()
+    return rows
 
 
 def measure_gemms_alone(arms: Sequence[Arm], rows: Sequence[dict], cfg: BenchConfig, device: torch.device,
@@ -271,8 +293,9 @@ def _fmt_clocks(snap: Optional[dict]) -> str:
 def print_table(rows: Sequence[dict], stream: Optional[TextIO] = None) -> None:
     stream = stream or sys.stdout
     # GEMMs ms: the arm's GEMM kernels alone per call (gemm_ms; arms that name their GEMM kernels)
+    # host ms: host wall time of one eager call with the GPU busy; lone ms: one synchronized eager call, event-timed
     print(f"{'T':>6} {'arm':<28} {'mode':<6} {'median ms':>10} {'GEMMs ms':>9} {'floor ms':>9} {'x floor':>8} "
-          f"{'TFLOP/s':>8} {'relL2 %':>8}  note", file=stream)
+          f"{'TFLOP/s':>8} {'relL2 %':>8} {'host ms':>8} {'lone ms':>8}  note", file=stream)
     last_T = None
     for m in rows:
         if last_T is not None and m["T"] != last_T:
@@ -291,7 +314,8 @@ def print_table(rows: Sequence[dict], stream: Optional[TextIO] = None) -> None:
         print(f"{m['T']:>6} {m['arm']:<28} {m.get('mode', '-'):<6} {_fmt(m.get('median_ms'), '10.4f')} "
               f"{_fmt(m.get('gemm_ms'), '9.4f')} {_fmt(m.get('floor_ms'), '9.4f')} "
               f"{_fmt(m.get('time_over_floor'), '8.2f')} {_fmt(m.get('tflops'), '8.1f')} "
-              f"{_fmt(None if rel is None else 100 * rel, '8.3f')}  {note.strip()}", file=stream)
+              f"{_fmt(None if rel is None else 100 * rel, '8.3f')} {_fmt(m.get('host_ms'), '8.3f')} "
+              f"{_fmt(m.get('lone_ms'), '8.3f')}  {note.strip()}", file=stream)
 
 
 def plot(record: dict, path: str, stream: Optional[TextIO] = None) -> bool:
