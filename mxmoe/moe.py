@@ -8,7 +8,8 @@ Which code runs where:
 * CPU tensors otherwise: the PyTorch emulation of the chosen path
   (:func:`mxmoe.reference.fused_moe_reference` with ``mode`` = the precision).
 
-``fused_moe`` validates its arguments and calls the custom op ``torch.ops.mxmoe.fused_moe`` (:mod:`mxmoe.op`).
+``fused_moe`` validates its arguments and calls the custom op ``torch.ops.mxmoe.fused_moe`` (:mod:`mxmoe.op`), or in a
+plain eager call the op's body itself (``op.runs_directly``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from .activation import ACTIVATIONS
-from .op import workspace_handle
+from .op import fused_moe_op, runs_directly, workspace_handle
 from .prepare import PreparedExperts, check_layout_version, expert_tensors
 from .selection import PRECISIONS, select_precision
 from .workspace import Workspace, WorkspacePlan
@@ -117,8 +118,9 @@ def fused_moe(
     weights, extras, all_fold = expert_tensors(experts)
     # the op chooses the path when it runs (threshold, graph capture) and checks the workspace against that choice:
     # in a compiled graph this code runs once, at trace time
-    torch.ops.mxmoe.fused_moe(x, weights, extras, topk_weights, topk_ids, expert_map, out, activation, swiglu_limit,
-                              swiglu_alpha, precision, all_fold, workspace_handle(workspace))
+    run = fused_moe_op if runs_directly(x, topk_weights) else torch.ops.mxmoe.fused_moe
+    run(x, weights, extras, topk_weights, topk_ids, expert_map, out, activation, swiglu_limit, swiglu_alpha, precision,
+        all_fold, workspace_handle(workspace))
     if not return_precision:
         return out
     if torch.compiler.is_compiling():

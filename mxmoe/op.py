@@ -18,6 +18,7 @@ How the library's objects cross the boundary:
 * ``precision`` as the caller gave it (``auto``, ``w4a16``, ``w4a8``): the op resolves it when it runs, so the
   threshold and CUDA-graph capture are read at run time, also in a compiled graph.
 
+:func:`mxmoe.fused_moe` calls the op, or in a plain eager call its body directly (:func:`runs_directly`).
 Registered with ``torch.library.Library`` (schema, one implementation for every device, ``register_fake``) rather
 than ``torch.library.custom_op``, whose Python wrapper costs far more host time per call (see ``SCHEMA``). The fake
 (meta) implementation writes nothing and returns nothing: ``out`` keeps its shape and dtype. Arguments are
@@ -85,6 +86,19 @@ def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: tor
 
 
 _LIB.impl("fused_moe", fused_moe_op, "CompositeExplicitAutograd")
+
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def runs_directly(x: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+    """Whether :func:`mxmoe.fused_moe` may call the op's body (:func:`fused_moe_op`) itself instead of going through
+    the dispatcher (which costs an eager call 20-30 us of host time on the H200's host, docs/perf-notes.md step 34):
+    an eager call on plain tensors, no tracing (``torch.compile``, ``torch.export``), no torch function or dispatch
+    mode (fake tensors, ``make_fx``, profilers of ops), no input that autograd would follow. Every other call goes
+    through ``torch.ops.mxmoe.fused_moe``; both run the same body."""
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and _DISPATCH_MODES is not None
+            and not _DISPATCH_MODES() and not torch._C._is_torch_function_mode_enabled()
+            and not (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)))
 
 
 @torch.library.register_fake("mxmoe::fused_moe", lib=_LIB)

@@ -196,3 +196,32 @@ def test_compiled_module_and_its_graph_replay_are_bitwise_eager_on_the_gpu(T):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(_bits(out), _bits(eager))
+
+
+def test_a_plain_eager_call_skips_the_dispatcher_and_any_other_goes_through_the_op(no_triton_interpret):
+    """``fused_moe`` runs the op's body itself only where nothing could see the op (``op.runs_directly``): not under
+    a dispatch mode, nor for inputs autograd follows; both ways give the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mxmoe.op import runs_directly
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    experts, x, w, ids = _problem()
+    assert runs_directly(x, w)
+    direct = mxmoe.fused_moe(x, experts, w, ids)
+    with Ops() as ops:
+        assert not runs_directly(x, w)
+        through = mxmoe.fused_moe(x, experts, w, ids)
+    assert "mxmoe.fused_moe.default" in ops.names
+    assert torch.equal(_bits(direct), _bits(through))
+    assert not runs_directly(x, w.clone().requires_grad_())
+    with torch.no_grad():
+        assert runs_directly(x, w.clone().requires_grad_())
