@@ -24,6 +24,24 @@ from mxmoe.op import fused_moe_op
 from mxmoe.op import workspace_handle
 from mxmoe.prepare import expert_tensors
 
+def _profile(fn, title: str, calls: int = 2000) -> None:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda._sleep(200_000_000)
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"--- {title}: {calls} calls, own time per call (us)")
+    stats = pstats.Stats(prof).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:14]
+    for (file, line, name), (cc, nc, tt, ct, _) in top:
+        print(f"{1e6 * tt / calls:8.2f} {1e6 * ct / calls:8.2f}  {nc / calls:5.1f}x  {name} ({file.split('/')[-1]}:{line})")
+
+
 def _through_jit(fn):
     with overrides(pdl=True):  # any overrides set: the launcher keeps no plan
         return fn()
@@ -33,6 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,1024,8192")
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="cProfile 2000 eager fused_moe calls per T and precision "
+                    "(the GPU kept busy), top functions by own time")
     args = ap.parse_args()
     from mxmoe.selection import plan_layer
 
@@ -67,6 +87,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 row[f"{name}_host_ms"] = host_ms(fn)
             row["lone_ms"] = lone_ms(arms["fused_moe"])
+            if args.profile:
+                _profile(arms["fused_moe"], f"T={T} {precision}")
             rows.append(row)
             print(row, flush=True)
     print(f"plans: {PLAN_STATS}")
