@@ -24,17 +24,20 @@ from mxmoe.op import fused_moe_op
 from mxmoe.op import workspace_handle
 from mxmoe.prepare import expert_tensors
 
-def _profile(fn, title: str, calls: int = 2000) -> None:
+def _profile(fn, title: str, rounds: int = 10, per_round: int = 50) -> None:
+    """cProfile of ``rounds`` x ``per_round`` calls, each round behind a sleep kernel (no launch waits)."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
-    torch.cuda._sleep(200_000_000)
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
+    for _ in range(rounds):
+        torch.cuda._sleep(300_000_000)
+        prof.enable()
+        for _ in range(per_round):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    calls = rounds * per_round
     print(f"--- {title}: {calls} calls, own time per call (us)")
     stats = pstats.Stats(prof).stats
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:14]
@@ -51,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,1024,8192")
     ap.add_argument("--json")
-    ap.add_argument("--profile", action="store_true", help="cProfile 2000 eager fused_moe calls per T and precision "
+    ap.add_argument("--profile", action="store_true", help="cProfile 500 eager fused_moe calls per T and precision "
                     "(the GPU kept busy), top functions by own time")
     args = ap.parse_args()
     from mxmoe.selection import plan_layer
