@@ -70,7 +70,7 @@ def fused_moe_op(x: torch.Tensor, weights: list, extras: list, topk_weights: tor
         raise ValueError("out must not overlap x")
     T, top_k = topk_ids.shape
     plan = plan_layer(T * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
-                      swiglu_alpha=swiglu_alpha)
+                      swiglu_alpha=swiglu_alpha, capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
     scratch = lookup_workspace(workspace) if workspace != -1 else None  # a Workspace or a WorkspacePlan
     if workspace != -1 and scratch is None:
         raise ValueError("workspace handle refers to no live Workspace (mxmoe.op.workspace_handle)")
