@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
+
+from ._details import cdiv, next_pow2
 
 SENTINEL = -1
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
@@ -128,11 +129,11 @@ def route_pack_launches(workspace, topk_ids: torch.Tensor, expert_map: Optional[
     sorted_routes = self.sorted_routes[:max_rows]
     n_global = num_experts if expert_map is None else expert_map.numel()
     emap = expert_map if expert_map is not None else self.counts
-    e_block = triton.next_power_of_2(num_experts)
+    e_block = next_pow2(num_experts)
     if R <= ROUTE_BLOCK:  # decode, small batches: one launch
         # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
         # 3.4 us (docs/perf-notes.md step 15)
-        block = max(16, triton.next_power_of_2(R))
+        block = max(16, next_pow2(R))
         launches = [KernelLaunch(
             route_pack_small_kernel, (1,),
             (topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
@@ -140,7 +141,7 @@ def route_pack_launches(workspace, topk_ids: torch.Tensor, expert_map: Optional[
             dict(HAS_MAP=expert_map is not None, BT=block_rows, BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK,
                  num_warps=4, **pdl_launch(topk_ids.device)))]
     else:
-        grid = (triton.cdiv(R, ROUTE_BLOCK),)
+        grid = (cdiv(R, ROUTE_BLOCK),)
         launches = [
             KernelLaunch(route_count_kernel, grid,
                          (topk_ids, emap, self.counts, self.route_done, self.route_expert, self.route_rank,

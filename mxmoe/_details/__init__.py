@@ -13,3 +13,12 @@ def wide_tail_steps(block_k: int, num_stages: int) -> int:
     it): its last num_stages - 1, rounded up to whole scale words (128 K each)."""
     per_word = 128 // block_k
     return per_word * -(-(num_stages - 1) // per_word)
+
+
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for the host side (that one is a constexpr function: ~1 us per call)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

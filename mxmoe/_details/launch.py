@@ -26,7 +26,7 @@ from ..prepare import PreparedExperts, expert_tensors, experts_from_tensors, row
 from ..routing import route_pack_capacity, route_pack_launches
 from ..selection import LayerPlan
 from ..workspace import default_plan, held_workspace
-from . import interpreting  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
+from . import cdiv, interpreting, next_pow2  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
                      gemm_config, gluon_kernel, gluon_validated, kernel_choice, pdl_launch, small_kernel_constexprs,
                      unfolded_config)
@@ -169,7 +169,7 @@ def _quantize_rows(x, q, scale, row_valid=None) -> KernelLaunch:
     K = x.shape[1]
     return KernelLaunch(quantize_rows_kernel, (x.shape[0],),
                         (x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale, K),
-                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=min(triton.next_power_of_2(K), 2048),
+                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=min(next_pow2(K), 2048),
                              PURE=interpreting(), num_warps=4))
 
 
@@ -267,8 +267,8 @@ def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPla
     if direct and direct.sum_out is not None:
         return launches, inter, pack  # GEMM2 summed the routes
     # without a pack GEMM2 wrote every route's row (zeros for masked ones): no slot list to check
-    block_h = min(triton.next_power_of_2(H), 1024)
-    launches.append(KernelLaunch(topk_sum_kernel, (T, triton.cdiv(H, block_h)),
+    block_h = min(next_pow2(H), 1024)
+    launches.append(KernelLaunch(topk_sum_kernel, (T, cdiv(H, block_h)),
                                  (routed, pack.route_slot if pack else routed, out, H, top_k),
                                  dict(BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None, num_warps=4,
                                       **pdl_launch(x.device))))
