@@ -112,9 +112,14 @@ class Workspace:
         return (shape == self.shape and tokens <= self.max_tokens and top_k <= self.top_k and (self.fp8 or not fp8)
                 and device == self.device)
 
+    BUFFERS = ("counts", "route_done", "expert_counts", "sub_offsets", "route_expert", "route_rank", "route_slot",
+               "sorted_routes", "offsets", "tile_expert", "tile_start", "num_tiles", "intermediate", "routed_out",
+               "sum_counters", "part_sums", "part_counters", "x_q", "x_scale", "inter_q", "inter_scale")
+
     def tensors(self) -> list:
-        """Its buffers (what a launch plan's constant pointers may point into)."""
-        return [t for t in self.__dict__.values() if isinstance(t, torch.Tensor)]
+        """Its buffers in ``BUFFERS`` order, None where it has none (W4A8's without ``fp8``): a launch plan's pointers
+        into the workspace are these plus an offset."""
+        return [getattr(self, name, None) for name in self.BUFFERS]
 
     def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> "Workspace":
         """This workspace, checked for the call (the op resolves a handle this way, a plan's too)."""
@@ -131,7 +136,7 @@ class Workspace:
             raise ValueError("workspace does not fit this call: " + "; ".join(wrong))
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors())
+        return sum(t.nbytes for t in self.tensors() if t is not None)
 
 
 class WorkspacePlan:

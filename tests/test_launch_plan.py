@@ -1,7 +1,7 @@
 """Launch plans (``mxmoe._details.launch_plan``) and the launches a call makes.
 
-CPU: a plan keeps each launch's arguments with the call tensors as holes and every other pointer as an int, refuses
-what it could not keep, and replays with new call tensors; the launch sequence of a call has the expected number of
+CPU: a plan builds each launch's arguments from the call's pointer table (views of workspace buffers at their
+offsets, the rest constants), refuses what it could not keep, and replays with new pointers; the launch sequence of a call has the expected number of
 kernels and no torch op but views. GPU (marked): the first call of a kind records a plan, the next ones hit it, and
 plan replays are bitwise the JIT's launches, also with new inputs, under graph capture, and when the environment
 changes between calls.
@@ -51,31 +51,31 @@ class _FakeKernel:
         return launch
 
 
-def test_a_plan_keeps_constants_as_ints_and_fills_the_call_tensors_in():
+def test_a_plan_builds_each_launch_from_the_pointer_table():
     kernel = _FakeKernel()
-    owned = torch.zeros(64, dtype=torch.int32)
     x, out = torch.ones(8), torch.zeros(8)
-    launch = KernelLaunch(kernel, (5,), (x, (owned[16:], out), 7), dict(BLOCK=32, num_warps=4))
-    plan = LaunchPlan.record([launch], (x, None, None, None, out), owned=[owned])
+    buffer = torch.zeros(64, dtype=torch.int32)  # a workspace buffer: views of it at fixed offsets
+    launch = KernelLaunch(kernel, (5,), (x, (buffer[16:], out), 7), dict(BLOCK=32, num_warps=4))
+    plan = LaunchPlan.record([launch], [x, out, buffer], views_from=2)
     assert len(kernel.jit_calls) == 1 and len(plan) == 1  # recording is the first call's launch
-    plan.run((1000, 0, 0, 0, 2000), stream=9)
+    plan.run((1000, 2000, 5000), stream=9)
     (args,) = kernel.compiled.launches
     assert args[:9] == (5, 1, 1, 9, 11, "packed", None, None, None)
     # every parameter in order, the constexprs with their given or default values
-    assert args[9:] == (1000, (owned.data_ptr() + 64, 2000), 7, 32, 3)
-    plan.run((3000, 0, 0, 0, 4000), stream=9)
-    assert kernel.compiled.launches[1][9:11] == (3000, (owned.data_ptr() + 64, 4000))
+    assert args[9:] == (1000, (5000 + 64, 2000), 7, 32, 3)
+    plan.run((3000, 4000, 6000), stream=9)
+    assert kernel.compiled.launches[1][9:11] == (3000, (6000 + 64, 4000))
 
 
 def test_a_plan_refuses_pointers_it_could_not_keep():
-    owned, x = torch.zeros(64), torch.ones(8)
-    with pytest.raises(AssertionError, match="view of a call tensor"):
-        LaunchPlan.record([KernelLaunch(_FakeKernel(), (1,), (x[2:], owned, 1), dict(BLOCK=2))],
-                          (x, None, None, None, None), owned=[owned])
+    buffer, x = torch.zeros(64), torch.ones(8)
+    with pytest.raises(AssertionError, match="plan cannot keep it"):  # a view of a call tensor
+        LaunchPlan.record([KernelLaunch(_FakeKernel(), (1,), (x[2:], buffer, 1), dict(BLOCK=2))], [x, buffer],
+                          views_from=1)
     temporary = torch.zeros(4)
-    with pytest.raises(AssertionError, match="outside the experts and the workspace"):
-        LaunchPlan.record([KernelLaunch(_FakeKernel(), (1,), (x, temporary, 1), dict(BLOCK=2))],
-                          (x, None, None, None, None), owned=[owned])
+    with pytest.raises(AssertionError, match="plan cannot keep it"):
+        LaunchPlan.record([KernelLaunch(_FakeKernel(), (1,), (x, temporary, 1), dict(BLOCK=2))], [x, buffer],
+                          views_from=1)
 
 
 class _OpNames(TorchDispatchMode):
@@ -167,6 +167,25 @@ def test_plans_replay_bitwise_the_jit_launches(T, precision, ids_dtype, mapped):
     assert PLAN_STATS["hits"] == before["hits"] + 2
     expected2 = _jit(lambda: mxmoe.fused_moe(x2, experts, w2, ids2, **kw))
     assert torch.equal(out2.view(torch.int16), expected2.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+def test_one_plan_serves_every_layer_and_workspace_of_a_kind(precision):
+    """Another layer's experts (same shapes) and another workspace reuse the plan: their addresses are the pointer
+    table's, not the plan's; the results are bitwise the JIT's."""
+    from mxmoe._details.launch import PLAN_STATS
+
+    layer_a, x, w, ids = _gpu_problem(300, seed=0)
+    layer_b = _gpu_problem(300, seed=1)[0]
+    ws_a, ws_b = mxmoe.Workspace(layer_a, 300, 4, fp8=True), mxmoe.Workspace(layer_a, 512, 4, fp8=True)
+    mxmoe.fused_moe(x, layer_a, w, ids, precision=precision, workspace=ws_a)
+    recorded = PLAN_STATS["recorded"]
+    for experts, ws in ((layer_b, ws_a), (layer_a, ws_b), (layer_b, ws_b)):
+        got = mxmoe.fused_moe(x, experts, w, ids, precision=precision, workspace=ws)
+        expected = _jit(lambda: mxmoe.fused_moe(x, experts, w, ids, precision=precision, workspace=ws))
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert PLAN_STATS["recorded"] == recorded
 
 
 @pytest.mark.gpu

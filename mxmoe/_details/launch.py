@@ -277,8 +277,9 @@ def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPla
 
 # ------------------------------------------------------------------------------------------------- launch plans
 
-PLANS_PER_WORKSPACE = 1024  # plans a workspace keeps (one per T and kind of call); the oldest goes first
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Workspace -> {plan_key: LaunchPlan}
+MAX_PLANS = 4096  # launch plans kept (one per T and kind of call, shared by layers and workspaces); oldest out first
+_PLANS: dict = {}  # plan_key -> LaunchPlan
+_BUFFER_POINTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Workspace -> its buffers' addresses
 PLAN_STATS = {"hits": 0, "recorded": 0}  # (read by tests and the bench)
 
 
@@ -287,8 +288,9 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
     """The layer into ``out`` (the custom op's body on the kernels' path; arguments validated; ``weights``, ``extras``,
     ``all_fold``: ``prepare.expert_tensors``; ``scratch``: a Workspace, a WorkspacePlan or None, the library's).
 
-    A call whose :func:`plan_key` its workspace has seen launches that plan's compiled kernels directly. Otherwise it
-    is described and run through the JIT, and the plan kept, where plans apply (:func:`_plans_apply`)."""
+    A call whose :func:`plan_key` has a plan launches its compiled kernels directly with the call's pointer table
+    (call tensors, experts, workspace). Otherwise the call is described and run through the JIT, and the plan kept,
+    where plans apply (:func:`_plans_apply`). A plan is recorded again only when evicted (``MAX_PLANS``)."""
     T, top_k = topk_ids.shape
     w13 = weights[0]
     shape = (w13.shape[0], x.shape[1], w13.shape[1] // 2)
@@ -299,15 +301,19 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
         workspace = (scratch or default_plan()).for_call(experts, T, top_k, plan.fp8)
     if T == 0:
         return out
-    plans = _PLANS.setdefault(workspace, {}) if _plans_apply(x) else None
     key = None
-    if plans is not None:
-        ptrs = _call_ptrs(x, topk_weights, topk_ids, expert_map, out)
-        key = plan_key(ptrs, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan)
-        found = plans.get(key)
+    if _plans_apply(x):
+        buffers = _BUFFER_POINTERS.get(workspace)
+        if buffers is None:
+            buffers = _BUFFER_POINTERS[workspace] = tuple(0 if t is None else t.data_ptr() for t in workspace.tensors())
+        pointers = (x.data_ptr(), topk_weights.data_ptr(), topk_ids.data_ptr(),
+                    0 if expert_map is None else expert_map.data_ptr(), out.data_ptr(),
+                    *[t.data_ptr() for t in weights], *[0 if t is None else t.data_ptr() for t in extras], *buffers)
+        key = plan_key(pointers, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan, workspace)
+        found = _PLANS.get(key)
         if found is not None:
             PLAN_STATS["hits"] += 1
-            found.run(ptrs, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+            found.run(pointers, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
             return out
     if experts is None:
         experts = experts_from_tensors(weights, extras, all_fold)
@@ -315,31 +321,26 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
     if key is None:
         run_launches(launches)
         return out
-    recorded = LaunchPlan.record(launches, (x, topk_weights, topk_ids, expert_map, out),
-                                 owned=[*weights, *extras, *workspace.tensors()])
+    call = [x, topk_weights, topk_ids, expert_map, out, *weights, *extras]
+    recorded = LaunchPlan.record(launches, call + workspace.tensors(), views_from=len(call))
     if recorded is not None:
         PLAN_STATS["recorded"] += 1
-        if len(plans) >= PLANS_PER_WORKSPACE:
-            del plans[next(iter(plans))]
-        plans[key] = recorded
+        if len(_PLANS) >= MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = recorded
     return out
 
 
-def plan_key(ptrs, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan: LayerPlan) -> tuple:
-    """What a launch plan depends on besides its workspace: T and top_k (every grid and count), the layer plan (path,
-    activation), the experts' tensors (addresses, shapes: constants of the plan), the call tensors' dtypes and
-    16-byte alignment (``ptrs``: their addresses, ``_call_ptrs``; the JIT specializes on both), expert_map's length, the kernel choice (``MXMOE_KERNEL``) and
-    the current device."""
+def plan_key(pointers, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan: LayerPlan,
+             workspace) -> tuple:
+    """What a launch plan depends on besides the pointer table's values: T and top_k (every grid and count), the layer
+    plan (path, activation), the call tensors' dtypes, every pointer's 16-byte alignment (the JIT specializes on
+    both), the experts' shapes and which optional tensors they have, expert_map's length, the workspace's kind (W4A8
+    buffers, rank counters), the kernel choice (``MXMOE_KERNEL``) and the current device."""
     return (topk_ids.shape, plan, all_fold, topk_weights.dtype, topk_ids.dtype,
-            -1 if expert_map is None else expert_map.numel(), tuple([p % 16 for p in ptrs]),
-            tuple([t.data_ptr() for t in weights]), weights[0].shape, weights[2].shape,
-            tuple([0 if t is None else t.data_ptr() for t in extras]),
-            os.environ.get("MXMOE_KERNEL"), torch._C._cuda_getDevice())
-
-
-def _call_ptrs(x, topk_weights, topk_ids, expert_map, out) -> tuple:
-    return (x.data_ptr(), topk_weights.data_ptr(), topk_ids.data_ptr(),
-            0 if expert_map is None else expert_map.data_ptr(), out.data_ptr())
+            -1 if expert_map is None else expert_map.numel(), tuple([p % 16 for p in pointers]),
+            weights[0].shape, weights[2].shape, tuple([t is None for t in extras]), workspace.fp8,
+            workspace.route_subs, os.environ.get("MXMOE_KERNEL"), torch._C._cuda_getDevice())
 
 
 def _plans_apply(x) -> bool:

@@ -5,26 +5,28 @@ A :class:`KernelLaunch` is one kernel launch as the JIT takes it (kernel, grid, 
 options). The launch sequence of a call (``launch.describe``) is a list of them; nothing in it depends on a value the
 GPU computes, so the list is known on the host before anything runs.
 
-A :class:`LaunchPlan` is that list compiled: per launch, the compiled kernel's launcher, its grid, and its argument
-list with every pointer already an int, except the *call tensors* (``x``, ``topk_weights``, ``topk_ids``,
-``expert_map``, ``out``), whose addresses are filled in per call. Running a plan is one C launcher call per kernel:
-no argument binding, no specialization, no cache lookup, no ``data_ptr`` or ``cuPointerGetAttribute`` per pointer.
+A :class:`LaunchPlan` is that list compiled: per launch, the compiled kernel's launcher, its grid, and a function
+that builds its argument list from the call's *pointer table*: the addresses of the call tensors, the experts'
+tensors and the workspace's buffers (``launch.run_layer`` gives them in that order). Every tensor argument is one of
+those plus a byte offset fixed by the plan (a view of a workspace buffer, say); every other argument is a constant.
+So one plan serves every layer's experts and every workspace of the same kind, and running it is one C launcher
+call per kernel: no argument binding, no specialization, no cache lookup, no ``data_ptr`` or
+``cuPointerGetAttribute`` per pointer.
 
-Recording runs the sequence through the JIT (that call's work) and keeps the kernels the JIT chose. A plan is
-valid for every later call whose arguments the JIT would specialize the same way: ``launch.plan_key`` holds T, the
-path, the experts' and the workspace's tensors (addresses), the call tensors' dtypes and 16-byte alignment, and the
-rest of what the launch sequence reads; every other argument is a constant of the plan. Recording checks that each
-constant pointer lies inside the experts' or the workspace's tensors (a temporary there would dangle) and that no
-argument aliases a call tensor except the call tensor itself.
+Recording runs the sequence through the JIT (that call's work) and keeps the kernels the JIT chose. A plan is valid
+for every later call whose arguments the JIT would specialize the same way: ``launch.plan_key`` holds T, the path,
+the dtypes and 16-byte alignment of every pointer, the experts' shapes and the rest of what the launch sequence
+reads. Recording checks that every tensor argument lies inside one of the table's tensors (a temporary would
+dangle).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-CALL_TENSORS = ("x", "topk_weights", "topk_ids", "expert_map", "out")  # what a plan takes per call, in this order
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,10 @@ def run_launches(launches: Sequence[KernelLaunch]) -> list:
 
 @dataclass(frozen=True)
 class _Step:
-    run: Callable  # the launcher: called as run(*grid, stream, *fixed, *args)
+    run: Callable  # the launcher: called as run(*grid, stream, *fixed, *args(pointers))
     fixed: tuple  # the launcher's arguments between the stream and the kernel's
     grid: tuple  # (x, y, z)
-    args: tuple  # every parameter in order (constexprs too, as the JIT passes them); pointers as ints
-    holes: tuple  # (argument index, index inside a bundle or -1, call-tensor index)
+    args: Callable  # pointer table -> every parameter in order (constexprs too, as the JIT passes them)
 
 
 def _launcher(compiled) -> tuple:
@@ -73,52 +74,36 @@ def _launcher(compiled) -> tuple:
 
 
 class LaunchPlan:
-    """A call's launches, compiled (see the module docstring). ``run(ptrs, stream)`` launches them with the call
-    tensors' addresses ``ptrs`` (in ``CALL_TENSORS`` order; 0 for an absent expert_map) on ``stream``."""
+    """A call's launches, compiled (see the module docstring). ``run(pointers, stream)`` launches them with the call's
+    pointer table on ``stream``."""
 
     def __init__(self, steps: list):
         self.steps = steps
 
     @classmethod
-    def record(cls, launches: Sequence[KernelLaunch], call: Sequence[Optional[torch.Tensor]],
-               owned: Sequence[Optional[torch.Tensor]]) -> Optional["LaunchPlan"]:
-        """Run ``launches`` through the JIT and keep them as a plan; ``call``: the call tensors, ``owned``: the tensors
-        constant pointers may point into (the experts', the workspace's). None where a launch gave no compiled kernel
-        (the interpreter)."""
-        ranges = [_span(t) for t in owned if t is not None and t.numel()]
-        steps, compiled_all = [], run_launches(launches)
-        for launch, compiled in zip(launches, compiled_all):
+    def record(cls, launches: Sequence[KernelLaunch], table: Sequence[Optional[torch.Tensor]],
+               views_from: int) -> Optional["LaunchPlan"]:
+        """Run ``launches`` through the JIT and keep them as a plan whose tensor arguments are entries of ``table``
+        (the tensors behind the pointer table, None where absent): themselves or, from entry ``views_from`` on (the
+        workspace's), views at a fixed offset. None where a launch gave no compiled kernel (the interpreter)."""
+        spans = [None if t is None or i < views_from else _span(t) for i, t in enumerate(table)]
+        steps = []
+        for launch, compiled in zip(launches, run_launches(launches)):
             if compiled is None:
                 return None
             params = launch.kernel.params
             values = list(launch.args) + [launch.meta.get(p.name, p.default) for p in params[len(launch.args):]]
-            args, holes = [], []
-            for i, value in enumerate(values):
-                if isinstance(value, tuple):
-                    inner = []
-                    for j, item in enumerate(value):
-                        inner.append(_constant(item, call, ranges, holes, i, j))
-                    args.append(tuple(inner))
-                else:
-                    args.append(_constant(value, call, ranges, holes, i, -1))
+            constants: list = []
+            source = "lambda p, c: (" + "".join(_expression(v, table, spans, constants) + ", " for v in values) + ")"
+            build = eval(source)  # noqa: S307 (our own expression of indices into p and c)
             grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-            steps.append(_Step(*_launcher(compiled), grid, tuple(args), tuple(holes)))
+            steps.append(_Step(*_launcher(compiled), grid, functools.partial(build, c=tuple(constants))))
         return cls(steps)
 
-    def run(self, ptrs: Sequence[int], stream: int) -> None:
+    def run(self, pointers: Sequence[int], stream: int) -> None:
         for step in self.steps:
-            args = step.args
-            if step.holes:
-                args = list(args)
-                for i, j, h in step.holes:
-                    if j < 0:
-                        args[i] = ptrs[h]
-                    else:
-                        bundle = list(args[i])
-                        bundle[j] = ptrs[h]
-                        args[i] = tuple(bundle)
             gx, gy, gz = step.grid
-            step.run(gx, gy, gz, stream, *step.fixed, *args)
+            step.run(gx, gy, gz, stream, *step.fixed, *step.args(pointers))
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -129,23 +114,20 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
 
 
-def _constant(value, call, ranges, holes: list, i: int, j: int):
-    """``value`` as the plan keeps it: a call tensor becomes a hole, any other tensor its address (checked to lie in
-    an owned tensor and to alias no call tensor)."""
+def _expression(value, table, spans, constants: list) -> str:
+    """``value`` in the argument builder's source: a tensor as ``p[i]`` (``table[i]`` itself) or ``p[i] + offset`` (a
+    view of a workspace buffer), a bundle as a tuple, anything else as a constant ``c[k]``."""
+    if isinstance(value, tuple):
+        return "(" + "".join(_expression(v, table, spans, constants) + ", " for v in value) + ")"
     if not isinstance(value, torch.Tensor):
-        return value
-    for h, t in enumerate(call):
+        constants.append(value)
+        return f"c[{len(constants) - 1}]"
+    for i, t in enumerate(table):
         if value is t:
-            holes.append((i, j, h))
-            return 0
+            return f"p[{i}]"
     ptr = value.data_ptr()
-    for t in call:
-        if t is not None and t.numel() and _overlap(_span(t), (ptr, ptr + max(value.numel(), 1) * value.element_size())):
-            raise AssertionError("a launch argument is a view of a call tensor: pass the call tensor itself")
-    if not any(lo <= ptr < hi for lo, hi in ranges):
-        raise AssertionError("a launch argument points outside the experts and the workspace: a plan cannot keep it")
-    return ptr
-
-
-def _overlap(a, b) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
+    for i, span in enumerate(spans):
+        if span is not None and span[0] <= ptr < span[1]:
+            return f"(p[{i}] + {ptr - span[0]})" if ptr != span[0] else f"p[{i}]"
+    raise AssertionError("a launch argument is neither a call tensor, an expert tensor nor in a workspace buffer: a "
+                         "plan cannot keep it")
