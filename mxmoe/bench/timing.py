@@ -334,7 +334,7 @@ def _version(module: str) -> Optional[str]:
 
 def collect_environment(device: torch.device) -> dict:
     """Software versions and the GPU: name, capability, SMs, memory, clocks."""
-    from . import __version__
+    from .. import __version__
 
     env = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
