@@ -35,6 +35,17 @@ for i, v in enumerate(args.versions):  # each version's package under a name of 
     names.append(f"mxmoe_v{i}")
     shutil.copytree(os.path.join(v, "mxmoe"), os.path.join(root, names[-1]),
                     ignore=shutil.ignore_patterns("__pycache__"))
+    for dirpath, _, files in os.walk(os.path.join(root, names[-1])):  # each its own custom-op namespace
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    text = fh.read()
+                renamed = (text.replace('Library("mxmoe"', f'Library("{names[-1]}"')
+                           .replace('"mxmoe::', f'"{names[-1]}::').replace("torch.ops.mxmoe.", f"torch.ops.{names[-1]}."))
+                if renamed != text:
+                    with open(path, "w") as fh:
+                        fh.write(renamed)
 sys.path.insert(0, root)
 mods = [importlib.import_module(n) for n in names]
 

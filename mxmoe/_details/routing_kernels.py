@@ -3,7 +3,7 @@
 1. ``count`` (the routes' grid): each route's local expert (masking, ``expert_map``); its rank inside the expert
    claimed with an integer atomic on one of ``SUBS`` counters per expert (program p counts on counter p % SUBS: an
    expert's routes queue on one address otherwise, 18 us of atomics at 65536 routes over 288 experts). The last
-   program to arrive (an arrival counter, ``done``) reads and zeroes the counters and writes per-expert totals,
+   program to arrive (an arrival counter, ``done``; acquire/release) reads and zeroes the counters and writes per-expert totals,
    padded segment offsets, the tile list, the tile count and each counter's first slot inside its expert's segment.
 2. ``scatter`` (the routes' grid): ``route_slot`` and ``sorted_routes``; its programs also write the sentinel into
    every padding slot (``sorted_routes`` past each expert's routes and past the last tile), disjoint from the routes'.
@@ -61,15 +61,18 @@ def route_count_kernel(ids_ptr, expert_map_ptr, counts_ptr, done_ptr, route_expe
 def _pack_offsets(counts_ptr, expert_counts_ptr, offsets_ptr, sub_offsets_ptr, tile_expert_ptr, tile_start_ptr,
                   num_tiles_ptr, num_experts, max_tiles, BT: tl.constexpr, E_BLOCK: tl.constexpr,
                   T_BLOCK: tl.constexpr, SUBS: tl.constexpr):
-    """From the [SUBS, num_experts] counters (read and zeroed in one atomic exchange each): the totals, the pack's
+    """From the [SUBS, num_experts] counters (read, then zeroed; complete: the caller acquired every program's
+    arrival): the totals, the pack's
     offsets and tiles, and ``sub_offsets`` [SUBS, num_experts], the first slot of each counter's routes (counter s
     after counters 0 .. s - 1 of its expert)."""
     e = tl.arange(0, E_BLOCK)
     s = tl.arange(0, SUBS)
     in_e = (e < num_experts)[None, :] & (s >= 0)[:, None]
-    sub_counts = tl.atomic_xchg(counts_ptr + s[:, None] * num_experts + e[None, :],
-                                tl.zeros((SUBS, E_BLOCK), tl.int32), mask=in_e)
-    sub_counts = tl.where(in_e, sub_counts, 0)
+    # plain volatile loads, then zeros (the count kernel of the next call runs after this one): an atomic exchange
+    # each took 30 us from one program at 288 experts (H200, docs/perf-notes.md step 34)
+    counters = counts_ptr + s[:, None] * num_experts + e[None, :]
+    sub_counts = tl.load(counters, mask=in_e, other=0, volatile=True)
+    tl.store(counters, tl.zeros((SUBS, E_BLOCK), tl.int32), mask=in_e)
     counts = tl.sum(sub_counts, axis=0)
     tl.store(expert_counts_ptr + e, counts, mask=e < num_experts)
     first_slot = _offsets_and_tiles(counts, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_tiles_ptr, num_experts,
