@@ -8,6 +8,8 @@ changes between calls.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton.language as tl
@@ -115,6 +117,63 @@ def test_a_call_launches_these_kernels_and_no_torch_op(T, path, expected):
     names = [launch.kernel.fn.__name__.removesuffix("_kernel") for launch in launches]
     assert names == expected
     assert ops.names <= VIEW_OPS, ops.names - VIEW_OPS
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels in Triton's interpreter")
+def test_a_kind_of_call_records_one_plan_that_later_calls_hit(monkeypatch):
+    """``launch.run_layer``'s cache on the CPU (plans made to apply, the recorded plan a stand-in): a call records,
+    the same call again hits with a pointer table of call tensors, experts and workspace; another layer's experts
+    and another workspace hit the same plan; another T, ``MXMOE_KERNEL`` or path records anew; overrides run the
+    JIT path."""
+    from mxmoe._details import launch
+    from mxmoe._details.config import overrides
+
+    class StandIn:
+        def __init__(self):
+            self.tables = []
+
+        def run(self, pointers, stream):
+            self.tables.append(pointers)
+
+    recorded = []
+
+    def record(launches, table, views_from):
+        recorded.append(StandIn())
+        assert views_from == 5 + 10 + 4 and len(table) == views_from + len(mxmoe.Workspace.BUFFERS)
+        return recorded[-1]
+
+    monkeypatch.setattr(launch, "_direct_launches", lambda x: True)
+    monkeypatch.setattr(launch.LaunchPlan, "record", staticmethod(record))
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    monkeypatch.delenv("MXMOE_KERNEL", raising=False)
+    E, H, I, top_k = 4, 64, 64, 2
+    layer_a, layer_b = (testing.make_experts(E, H, I, seed=s)[0] for s in (0, 1))
+    ws_a, ws_b = mxmoe.Workspace(layer_a, 8, top_k), mxmoe.Workspace(layer_a, 8, top_k)
+
+    def call(T, experts=layer_a, ws=ws_a, **kw):
+        x = torch.randn(T, H).bfloat16()
+        ids = torch.randint(0, E, (T, top_k), dtype=torch.int32)
+        return mxmoe.fused_moe(x, experts, torch.rand(T, top_k), ids, workspace=ws, precision="w4a16", **kw)
+
+    call(3)
+    assert len(recorded) == 1 and not recorded[0].tables
+    call(3)
+    call(3, experts=layer_b, ws=ws_b)
+    assert len(recorded) == 1 and len(recorded[0].tables) == 2
+    first, second = recorded[0].tables
+    assert len(first) == 5 + 10 + 4 + len(mxmoe.Workspace.BUFFERS)
+    assert first[5] == layer_a.w13.data_ptr() and second[5] == layer_b.w13.data_ptr()  # the experts' addresses
+    assert first[19] == ws_a.counts.data_ptr() and second[19] == ws_b.counts.data_ptr()  # the workspace's
+    call(5)
+    monkeypatch.setenv("MXMOE_KERNEL", "triton")
+    call(3)
+    assert len(recorded) == 3
+    with overrides(pdl=False):
+        call(3)
+        call(7)
+    assert len(recorded) == 3 and len(recorded[0].tables) == 2
 
 
 # --------------------------------------------------------------------------------------------------------- GPU

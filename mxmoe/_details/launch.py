@@ -309,7 +309,8 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
         pointers = (x.data_ptr(), topk_weights.data_ptr(), topk_ids.data_ptr(),
                     0 if expert_map is None else expert_map.data_ptr(), out.data_ptr(),
                     *[t.data_ptr() for t in weights], *[0 if t is None else t.data_ptr() for t in extras], *buffers)
-        key = plan_key(pointers, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan, workspace)
+        key = plan_key(pointers, (x.stride(0), out.stride(0)), weights, extras, all_fold, topk_weights, topk_ids,
+                       expert_map, plan, workspace)
         found = _PLANS.get(key)
         if found is not None:
             PLAN_STATS["hits"] += 1
@@ -331,13 +332,14 @@ def run_layer(x, weights: list, extras: list, all_fold: bool, topk_weights, topk
     return out
 
 
-def plan_key(pointers, weights, extras, all_fold, topk_weights, topk_ids, expert_map, plan: LayerPlan,
-             workspace) -> tuple:
-    """What a launch plan depends on besides the pointer table's values: T and top_k (every grid and count), the layer
+def plan_key(pointers, strides: tuple, weights, extras, all_fold, topk_weights, topk_ids, expert_map,
+             plan: LayerPlan, workspace) -> tuple:
+    """What a launch plan depends on besides the pointer table's values: T and top_k (every grid and count), x's and
+    out's row strides (validated contiguous by ``fused_moe``; unchecked callers of ``run_fused_moe`` too), the layer
     plan (path, activation), the call tensors' dtypes, every pointer's 16-byte alignment (the JIT specializes on
     both), the experts' shapes and which optional tensors they have, expert_map's length, the workspace's kind (W4A8
     buffers, rank counters), the kernel choice (``MXMOE_KERNEL``) and the current device."""
-    return (topk_ids.shape, plan, all_fold, topk_weights.dtype, topk_ids.dtype,
+    return (topk_ids.shape, strides, plan, all_fold, topk_weights.dtype, topk_ids.dtype,
             -1 if expert_map is None else expert_map.numel(), tuple([p % 16 for p in pointers]),
             weights[0].shape, weights[2].shape, tuple([t is None for t in extras]), workspace.fp8,
             workspace.route_subs, os.environ.get("MXMOE_KERNEL"), torch._C._cuda_getDevice())
@@ -347,8 +349,13 @@ def _plans_apply(x) -> bool:
     """Plans apply on CUDA, on the Triton release they were validated on (the compiled kernel's launcher is called
     as that release's JIT calls it), with the library's own settings (``config.overrides`` unset: tools and tests
     launch through the JIT), and while no Triton launch hook listens (a profiler gets every launch's metadata)."""
-    return (x.is_cuda and current_overrides() is DEFAULT_OVERRIDES and _COMPILED_KERNELS
-            and gluon_validated(triton.__version__) and not _launch_hooks())
+    return current_overrides() is DEFAULT_OVERRIDES and _direct_launches(x) and not _launch_hooks()
+
+
+def _direct_launches(x) -> bool:
+    """Whether compiled kernels can be launched directly here: CUDA tensors, compiled (not interpreted) kernels, the
+    validated Triton."""
+    return x.is_cuda and _COMPILED_KERNELS and gluon_validated(triton.__version__)
 
 
 _COMPILED_KERNELS = not interpreting()  # (Triton chose compiled or interpreted kernels when they were defined)
