@@ -93,7 +93,7 @@ class Workspace:
 
     def shortfalls(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> list[str]:
         """What this workspace lacks for a call (an empty list where it fits), one phrase each."""
-        shape = (experts.num_experts, experts.hidden_size, experts.intermediate_size)
+        shape = _shape(experts)
         wrong = []
         if self.shape != shape:
             wrong.append("it was sized for experts of (E, H, I) = %s, these are %s" % (self.shape, shape))
@@ -127,7 +127,7 @@ class Workspace:
         return self
 
     def fits(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> bool:
-        return not self.shortfalls(experts, tokens, top_k, fp8)
+        return self.holds(experts.device, _shape(experts), tokens, top_k, fp8)
 
     def check(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> None:
         """Raise ``ValueError`` naming what this workspace lacks for the call, if anything."""
@@ -156,10 +156,11 @@ class WorkspacePlan:
         return ws if ws is not None and ws.holds(device, shape, tokens, top_k, fp8) else None
 
     def for_call(self, experts: PreparedExperts, tokens: int, top_k: int, fp8: bool) -> Workspace:
-        key = (experts.device, experts.num_experts, experts.hidden_size, experts.intermediate_size)
+        found = self.current(experts.device, _shape(experts), tokens, top_k, fp8)
+        if found is not None:
+            return found
+        key = (experts.device, *_shape(experts))
         ws = self.workspaces.get(key)
-        if ws is not None and ws.fits(experts, tokens, top_k, fp8):
-            return ws
         if experts.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError("workspace: no workspace large enough for this call during CUDA-graph capture; pass "
                              "workspace=mxmoe.Workspace(experts, max_tokens, top_k) or make the same call eagerly first")
@@ -168,6 +169,10 @@ class WorkspacePlan:
                        max(top_k, self.top_k, ws.top_k if ws else 0), fp8=fp8 or ahead or bool(ws and ws.fp8))
         self.workspaces[key] = ws
         return ws
+
+
+def _shape(experts: PreparedExperts) -> tuple:
+    return experts.num_experts, experts.hidden_size, experts.intermediate_size
 
 
 _DEFAULT_PLAN = WorkspacePlan()

@@ -6,9 +6,9 @@ route pack (one kernel up to 1024 routes, else two) -> [W4A8: quantize x rows] -
 quantize intermediate rows] -> GEMM2 + routing weight -> top-k sum. Up to ``DIRECT_MAX_TOKENS`` W4A16 tokens
 (``direct_routes``): GEMM1 -> GEMM2 + routing weight + top-k sum, no pack.
 
-``describe`` lists a call's launches; ``run_layer`` (what the custom op calls) looks the call up in its workspace's
-plans (``plan_key``) and launches the compiled kernels directly, or describes the call, runs it through the JIT and
-keeps the plan.
+``describe`` lists a call's launches; ``run_layer`` (the custom op's body) looks the call up among the launch plans
+(``plan_key``) and launches the compiled kernels directly, or describes the call, runs it through the JIT and keeps
+the plan.
 """
 from __future__ import annotations
 

@@ -28,11 +28,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 
-
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One launch: ``kernel[grid](*args, **meta)``; ``loaded`` is called with the compiled kernel after its first
-    launch (a load-time setting such as the L1 carveout; once per plan)."""
+    """One launch: ``kernel[grid](*args, **meta)``; ``loaded`` is called with the compiled kernel after each launch
+    through the JIT (a load-time setting such as the L1 carveout, which acts once per loaded kernel)."""
     kernel: Any
     grid: tuple
     args: tuple
