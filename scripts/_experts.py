@@ -28,6 +28,6 @@ def variant(v):
 
 def run(x, experts, w, ids, precision, out, workspace, activation="silu"):
     """``launch.run_fused_moe`` (no validation, the current overrides) on ``precision`` (w4a16 / w4a8) with
-    ``activation``'s default limit and alpha."""
-    plan = plan_layer(ids.numel(), precision=precision, activation=activation)
+    ``activation``'s default limit and alpha, also under graph capture (where the library's entries run W4A16)."""
+    plan = plan_layer(ids.numel(), precision=precision, activation=activation, capturing=False)
     launch.run_fused_moe(x, experts, w, ids, plan, None, out, workspace)

@@ -1,0 +1,81 @@
+"""Same-process A/B of launch overrides (developer tool): whole-call CUDA-graph replays, alternating rounds, with
+bit-identity against the first variant and each kernel's time (torch profiler, last).
+
+    python3 scripts/override_ab.py 16,1024,8192 '[{}, {"packed_sum": true}]' [--prec w4a16] [--rounds 6]
+
+Each variant is keyword arguments of ``mxmoe._details.config.overrides``. Reference shape, seeded random weights,
+uniform random routing; then, per T, the same on ids with masked routes (-1 and >= E) for bit-identity only."""
+import argparse
+import json
+import statistics
+
+import torch
+
+import mxmoe
+from _experts import kernel_times, random_experts, run
+from mxmoe._details.config import overrides
+from mxmoe.bench import capture_graph, cuda_event_sampler, median
+
+ap = argparse.ArgumentParser()
+ap.add_argument("tokens")
+ap.add_argument("variants")
+ap.add_argument("--prec", default="w4a16")
+ap.add_argument("--rounds", type=int, default=6)
+args = ap.parse_args()
+variants = json.loads(args.variants)
+E, H, I, top_k = 288, 4096, 1024, 8
+experts = random_experts(E, H, I)
+
+rows = []
+for T in [int(t) for t in args.tokens.split(",")]:
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    w = torch.rand(T, top_k, device="cuda", generator=g)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:top_k] for _ in range(T)]).int()
+    masked = ids.clone()
+    drop = torch.rand(T, top_k, device="cuda", generator=g)
+    drop[:, 0] = 1  # every token keeps its first route (a token with all routes masked: the GPU tests)
+    masked[drop < 0.2] = -1
+    masked[(drop >= 0.2) & (drop < 0.3)] = E + 5
+    masked[T // 2] = ids[T // 2]  # (a token with none masked, whatever T)
+    ws = mxmoe.Workspace(experts, T, top_k, fp8=args.prec == "w4a8")
+    outs, graphs, same, same_masked = [], [], [], []
+    for v in variants:
+        out = torch.full_like(x, float("nan"))
+        with overrides(**v):
+            run(x, experts, w, masked, args.prec, out, ws)
+            torch.cuda.synchronize()
+            out_masked = out.clone()
+            out.fill_(float("nan"))
+            fn = (lambda out=out: run(x, experts, w, ids, args.prec, out, ws))
+            fn()
+            torch.cuda.synchronize()
+            outs.append((out.clone(), out_masked))
+            graphs.append(capture_graph(fn))
+        same.append(torch.equal(outs[-1][0], outs[0][0]))
+        same_masked.append(torch.equal(outs[-1][1], outs[0][1]))
+    times = [[] for _ in variants]
+    for r in range(args.rounds):
+        order = range(len(variants)) if r % 2 == 0 else reversed(range(len(variants)))
+        for i in order:
+            times[i].append(median(cuda_event_sampler(graphs[i].replay, 40)) * 1000)
+    base = statistics.median(times[0])
+    for i, v in enumerate(variants):
+        t = statistics.median(times[i])
+        nan = int(outs[i][0].isnan().sum())
+        rows.append((T, json.dumps(v), t, t / base - 1, same[i], same_masked[i], nan))
+        print(f"T={T} {json.dumps(v)}: {t:.1f} us ({100 * (t / base - 1):+.1f} %) bitwise={same[i]} "
+              f"masked bitwise={same_masked[i]} nan={nan}", flush=True)
+    del graphs
+for T in [int(t) for t in args.tokens.split(",")]:  # kernel times last: the profiler slows later launches
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda")[:top_k] for _ in range(T)]).int()
+    w = torch.rand(T, top_k, device="cuda")
+    ws, out = mxmoe.Workspace(experts, T, top_k, fp8=args.prec == "w4a8"), torch.empty_like(x)
+    for v in variants:
+        with overrides(**v):
+            ks = kernel_times(lambda: run(x, experts, w, ids, args.prec, out, ws))
+        print(f"T={T} {json.dumps(v)} kernels us: " + " ".join(f"{d:.1f}" for _, d in ks), flush=True)
+print("\n| T | variant | graph us | vs first | bitwise | masked bitwise | NaN |")
+for T, v, t, d, s, sm, nan in rows:
+    print(f"| {T} | {v} | {t:.1f} | {100 * d:+.1f} % | {s} | {sm} | {nan} |")
