@@ -1,7 +1,7 @@
 """Same-process A/B of launch overrides (developer tool): whole-call CUDA-graph replays, alternating rounds, with
 bit-identity against the first variant and each kernel's time (torch profiler, last).
 
-    python3 scripts/override_ab.py 16,1024,8192 '[{}, {"packed_sum": true}]' [--prec w4a16] [--rounds 6]
+    python3 scripts/override_ab.py 16,1024,8192 '[{}, {"pdl": false}]' [--prec w4a16] [--rounds 6]
 
 Each variant is keyword arguments of ``mxmoe._details.config.overrides``. Reference shape, seeded random weights,
 uniform random routing; then, per T, the same on ids with masked routes (-1 and >= E) for bit-identity only."""
