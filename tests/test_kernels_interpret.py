@@ -224,3 +224,27 @@ def test_row_quantizer_matches_reference():
     assert torch.equal(q.view(torch.uint8), e4m3_slot_order(q_ref.view(torch.uint8)))
     assert (s[3] == 0) and (q[3].float() == 0).all()
 
+
+def test_row_quantizer_skips_padding_rows_and_spans_k_chunks():
+    """K over two chunks of the kernel's block (the last partial) and route-pack padding rows (``row_valid`` < 0)
+    left as they were, the others equal to the reference."""
+    from mxmoe._details.launch import _quantize_rows
+    from mxmoe.prepare import e4m3_slot_order
+    from mxmoe.reference import quantize_rows_fp8
+
+    g = torch.Generator().manual_seed(3)
+    rows, K = 37, 2080
+    x = torch.randn(rows, K, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    valid = torch.arange(rows, dtype=torch.int32)
+    valid[[0, 5, 6, 36]] = -1
+    q = torch.full((rows, K), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.full((rows,), float("nan"))
+    launch = _quantize_rows(x, q, s, row_valid=valid)
+    assert launch.meta["BLOCK_K"] < K
+    launch.run()
+    q_ref, s_ref = quantize_rows_fp8(x)
+    kept = valid >= 0
+    assert torch.equal(s[kept], s_ref[kept]) and s[~kept].isnan().all()
+    assert torch.equal(q.view(torch.uint8)[kept], e4m3_slot_order(q_ref.view(torch.uint8))[kept])
+    assert (q.view(torch.uint8)[~kept] == 0x7F).all()
+
