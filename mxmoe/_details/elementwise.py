@@ -26,21 +26,21 @@ def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_
     scale = tl.max(amax, axis=0) / 448.0
     safe = tl.where(scale > 0, scale, 1.0)
     for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        # each thread stores consecutive slots (whole 16-B pieces) and loads the K each holds: slot 32 b + 16 h + 4 q + i
+        # holds K = 32 b + 16 h + 8 j + 2 q + c, j = 1 - (i & 1) (within the half), c = i >> 1 (h = 0) or
+        # (i ^ (i >> 1)) & 1 (h = 1) (``prepare.E4M3_VALUE_SLOT``); the loads stay inside one 16-K half
+        slots = k0 + tl.arange(0, BLOCK_K)
+        i = slots & 3
+        c = tl.where((slots & 16) == 0, i >> 1, (i ^ (i >> 1)) & 1)
+        offs = (slots & ~15) + 8 * (1 - (i & 1)) + 2 * ((slots >> 2) & 3) + c
+        x = tl.load(x_row + offs, mask=slots < K, other=0.0).to(tl.float32)
         v = tl.where(scale > 0, tl.math.div_rn(x, safe), 0.0)
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)
         if PURE:
             q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
         else:
             q = v.to(tl.float8e4nv)
-        # K = 32 b + 8 j + 2 q + c goes to slot 32 b + 16 (j >> 1) + 4 q + i, i = 2c (j odd), 1 + 2c (j = 0), 3 - 2c
-        # (j = 2) (``prepare.E4M3_VALUE_SLOT``)
-        j = (offs >> 3) & 3
-        c = offs & 1
-        i = tl.where((j & 1) == 1, 2 * c, tl.where(j == 0, 1 + 2 * c, 3 - 2 * c))
-        slot = (offs & ~31) + 16 * (j >> 1) + 4 * ((offs >> 1) & 3) + i
-        tl.store(q_row + slot, q, mask=offs < K)
+        tl.store(q_row + slots, q, mask=slots < K)
     tl.store(scale_ptr + row, scale)
 
 
