@@ -6,10 +6,36 @@ from .convert import fp32_to_e4m3_rne, store_rounded
 
 
 @triton.jit
+def _slot_values(x_row, k0, K, BLOCK_K: tl.constexpr):
+    """Slots ``k0 ..`` of a row (consecutive per thread: its stores are whole 16-B pieces) and the FP32 x value each
+    holds: slot 32 b + 16 h + 4 q + i holds K = 32 b + 16 h + 8 j + 2 q + c, j = 1 - (i & 1) (within the half),
+    c = i >> 1 (h = 0) or (i ^ (i >> 1)) & 1 (h = 1) (``prepare.E4M3_VALUE_SLOT``); the loads stay inside one 16-K
+    half."""
+    slots = k0 + tl.arange(0, BLOCK_K)
+    i = slots & 3
+    c = tl.where((slots & 16) == 0, i >> 1, (i ^ (i >> 1)) & 1)
+    offs = (slots & ~15) + 8 * (1 - (i & 1)) + 2 * ((slots >> 2) & 3) + c
+    return slots, tl.load(x_row + offs, mask=slots < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_quantized(q_row, slots, x, scale, K, PURE: tl.constexpr):
+    safe = tl.where(scale > 0, scale, 1.0)
+    v = tl.where(scale > 0, tl.math.div_rn(x, safe), 0.0)
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if PURE:
+        q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
+    else:
+        q = v.to(tl.float8e4nv)
+    tl.store(q_row + slots, q, mask=slots < K)
+
+
+@triton.jit
 def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_ptr, K,
                          CHECK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PURE: tl.constexpr):
     """q[row] = RNE(x[row] / s) saturated to +-448 as E4M3, s = amax(|x[row]|) / 448 (0 for a zero row),
-    each K32 block stored in the W4A8 kernels' slot order (``prepare.e4m3_slot_order``; K % 32 == 0).
+    each K32 block stored in the W4A8 kernels' slot order (``prepare.e4m3_slot_order``; K % 32 == 0). A row of at most
+    ``BLOCK_K`` values is read once (the amax of its slot-ordered values), a longer one twice.
 
     With ``CHECK_ROWS`` rows whose ``row_valid`` entry is negative (route-pack padding) are skipped.
     """
@@ -20,27 +46,18 @@ def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * stride_q
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.max(amax, axis=0) / 448.0
-    safe = tl.where(scale > 0, scale, 1.0)
-    for k0 in range(0, K, BLOCK_K):
-        # each thread stores consecutive slots (whole 16-B pieces) and loads the K each holds: slot 32 b + 16 h + 4 q + i
-        # holds K = 32 b + 16 h + 8 j + 2 q + c, j = 1 - (i & 1) (within the half), c = i >> 1 (h = 0) or
-        # (i ^ (i >> 1)) & 1 (h = 1) (``prepare.E4M3_VALUE_SLOT``); the loads stay inside one 16-K half
-        slots = k0 + tl.arange(0, BLOCK_K)
-        i = slots & 3
-        c = tl.where((slots & 16) == 0, i >> 1, (i ^ (i >> 1)) & 1)
-        offs = (slots & ~15) + 8 * (1 - (i & 1)) + 2 * ((slots >> 2) & 3) + c
-        x = tl.load(x_row + offs, mask=slots < K, other=0.0).to(tl.float32)
-        v = tl.where(scale > 0, tl.math.div_rn(x, safe), 0.0)
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        if PURE:
-            q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
-        else:
-            q = v.to(tl.float8e4nv)
-        tl.store(q_row + slots, q, mask=slots < K)
+    if K <= BLOCK_K:
+        slots, x = _slot_values(x_row, 0, K, BLOCK_K)
+        scale = tl.max(tl.maximum(amax, tl.abs(x)), axis=0) / 448.0
+        _store_quantized(q_row, slots, x, scale, K, PURE)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        scale = tl.max(amax, axis=0) / 448.0
+        for k0 in range(0, K, BLOCK_K):
+            slots, x = _slot_values(x_row, k0, K, BLOCK_K)
+            _store_quantized(q_row, slots, x, scale, K, PURE)
     tl.store(scale_ptr + row, scale)
 
 

@@ -169,7 +169,7 @@ def _quantize_rows(x, q, scale, row_valid=None) -> KernelLaunch:
     K = x.shape[1]
     return KernelLaunch(quantize_rows_kernel, (x.shape[0],),
                         (x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale, K),
-                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=min(next_pow2(K), 2048),
+                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=min(next_pow2(K), 4096),
                              PURE=interpreting(), num_warps=4))
 
 
