@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ._details import env_get
 from .activation import activation_params
 
 ENV_MIN_ROWS = "MXMOE_FP8_PREFILL_MIN_ROWS"
@@ -20,7 +20,7 @@ PRECISIONS = ("auto",) + PATHS  # what a caller may ask for
 def fp8_min_rows() -> int:
     """The FP8 prefill threshold from ``MXMOE_FP8_PREFILL_MIN_ROWS`` (unset/empty = 0 = off), read at every call (a
     change between calls applies to the next); its parse is cached."""
-    return _parse_min_rows(os.environ.get(ENV_MIN_ROWS, ""))
+    return _parse_min_rows(env_get(ENV_MIN_ROWS, ""))
 
 
 @functools.lru_cache(maxsize=16)

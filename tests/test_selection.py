@@ -1,6 +1,8 @@
 """Path selection between W4A16 and W4A8 (SPEC §6)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mxmoe import select_precision
@@ -458,3 +460,25 @@ def test_the_layer_plan_resolves_path_and_activation_once(monkeypatch):
     assert (plan.path, plan.activation, plan.limit, plan.alpha) == ("w4a16", "silu", 5.0, 1.0)
     assert plan_layer(1).limit == float("inf")
     assert plan_layer(10 ** 6, precision="w4a8", capturing=True).path == "w4a16"
+
+
+def test_environment_reads_follow_os_environ(monkeypatch):
+    """``env_get`` (the per-call reads of the threshold and ``MXMOE_KERNEL``) sees every change made through
+    ``os.environ`` as ``os.environ.get`` does: set, changed, empty, non-ASCII, removed."""
+    from mxmoe._details import env_get
+    from mxmoe.selection import fp8_min_rows
+
+    name = "MXMOE_TEST_ENV_READ"
+    monkeypatch.delenv(name, raising=False)
+    assert env_get(name) is None and env_get(name, "d") == "d"
+    for value in ("1", "two words", "", "ünï"):
+        monkeypatch.setenv(name, value)
+        assert env_get(name, "d") == value == os.environ.get(name, "d")
+    monkeypatch.delenv(name)
+    assert env_get(name, "d") == "d"
+    monkeypatch.setenv("MXMOE_FP8_PREFILL_MIN_ROWS", "64")
+    assert fp8_min_rows() == 64
+    monkeypatch.setenv("MXMOE_FP8_PREFILL_MIN_ROWS", "128")
+    assert fp8_min_rows() == 128
+    monkeypatch.delenv("MXMOE_FP8_PREFILL_MIN_ROWS")
+    assert fp8_min_rows() == 0

@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 import torch
 import triton
 
-from . import interpreting, wide_tail_steps
+from . import env_get, interpreting, wide_tail_steps
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
@@ -165,7 +164,7 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     forces it on any. The interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon"``
     (warp-specialized) or ``"gluon_small"``.
     """
-    choice = os.environ.get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
+    choice = env_get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
         raise ValueError(f"MXMOE_KERNEL must be auto, triton or gluon, got {choice!r}")
     if choice == "triton" or interpreting() or device.type != "cuda":

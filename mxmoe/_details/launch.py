@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -26,7 +25,7 @@ from ..prepare import PreparedExperts, expert_tensors, experts_from_tensors, row
 from ..routing import route_pack_capacity, route_pack_launches
 from ..selection import LayerPlan
 from ..workspace import default_plan, held_workspace
-from . import cdiv, interpreting, next_pow2  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
+from . import cdiv, env_get, interpreting, next_pow2  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
                      gemm_config, gluon_kernel, gluon_validated, kernel_choice, pdl_launch, small_kernel_constexprs,
                      unfolded_config)
@@ -342,7 +341,7 @@ def plan_key(pointers, strides: tuple, weights, extras, all_fold, topk_weights, 
     return (topk_ids.shape, strides, plan, all_fold, topk_weights.dtype, topk_ids.dtype,
             -1 if expert_map is None else expert_map.numel(), tuple([p % 16 for p in pointers]),
             weights[0].shape, weights[2].shape, tuple([t is None for t in extras]), workspace.fp8,
-            workspace.route_subs, os.environ.get("MXMOE_KERNEL"), torch._C._cuda_getDevice())
+            workspace.route_subs, env_get("MXMOE_KERNEL"), torch._C._cuda_getDevice())
 
 
 def _plans_apply(x) -> bool:
