@@ -25,7 +25,7 @@ from ..prepare import PreparedExperts, expert_tensors, experts_from_tensors, row
 from ..routing import route_pack_capacity, route_pack_launches
 from ..selection import LayerPlan
 from ..workspace import default_plan, held_workspace
-from . import cdiv, env_get, interpreting, next_pow2  # interpreter runs use the plain-Triton forms (no inline asm, FP32 dots)
+from . import cdiv, env_get, interpreting, next_pow2  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
                      gemm_config, gluon_kernel, gluon_validated, kernel_choice, pdl_launch, small_kernel_constexprs,
                      unfolded_config)
