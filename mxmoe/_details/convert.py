@@ -212,3 +212,13 @@ per 8 values, the table's 2 included (docs/perf-notes.md step 31)."""
 E2M1X8_TO_E4M3_TABLE_WORD_ASM = tl.constexpr(_e4m3_table_asm("$3", "$4", "$5"))
 """``E2M1X8_TO_E4M3_TABLE_ASM`` with ``pack=1`` and 32-bit operands: $0 / $1 the two registers of E4M3 bytes, $2 the
 prepared word, $3 the scale byte, $4 / $5 the row's addends (the plain template's form)."""
+
+
+@triton.jit
+def slot_k(slots):
+    """K of each W4A8 activation slot (``prepare.E4M3_VALUE_SLOT``): slot 32 b + 16 h + 4 q + i holds K = 32 b + 16 h +
+    8 j + 2 q + c, j = 1 - (i & 1) (the value pair within the half), c = i >> 1 (h = 0) or (i ^ (i >> 1)) & 1 (h = 1).
+    A slot's K stays in its 16-K half."""
+    i = slots & 3
+    c = tl.where((slots & 16) == 0, i >> 1, (i ^ (i >> 1)) & 1)
+    return (slots & ~15) + 8 * (1 - (i & 1)) + 2 * ((slots >> 2) & 3) + c

@@ -2,20 +2,15 @@
 import triton
 import triton.language as tl
 
-from .convert import fp32_to_e4m3_rne, store_rounded
+from .convert import fp32_to_e4m3_rne, slot_k, store_rounded
 
 
 @triton.jit
 def _slot_values(x_row, k0, K, BLOCK_K: tl.constexpr):
     """Slots ``k0 ..`` of a row (consecutive per thread: its stores are whole 16-B pieces) and the FP32 x value each
-    holds: slot 32 b + 16 h + 4 q + i holds K = 32 b + 16 h + 8 j + 2 q + c, j = 1 - (i & 1) (within the half),
-    c = i >> 1 (h = 0) or (i ^ (i >> 1)) & 1 (h = 1) (``prepare.E4M3_VALUE_SLOT``); the loads stay inside one 16-K
-    half."""
+    holds (``convert.slot_k``: the loads stay inside one 16-K half)."""
     slots = k0 + tl.arange(0, BLOCK_K)
-    i = slots & 3
-    c = tl.where((slots & 16) == 0, i >> 1, (i ^ (i >> 1)) & 1)
-    offs = (slots & ~15) + 8 * (1 - (i & 1)) + 2 * ((slots >> 2) & 3) + c
-    return slots, tl.load(x_row + offs, mask=slots < K, other=0.0).to(tl.float32)
+    return slots, tl.load(x_row + slot_k(slots), mask=slots < K, other=0.0).to(tl.float32)
 
 
 @triton.jit

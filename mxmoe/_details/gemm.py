@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_TABLE_WORD_ASM, E4M3_UNFOLDED_HI, E4M3_UNFOLDED_LO,
                       FOLD_REF_MAX, e2m1_to_bf16, e2m1_to_e4m3, expand_blocks, fold_ref, pow2, prepared_codes,
-                      store_rounded)
+                      slot_k, store_rounded)
 
 
 @triton.jit
@@ -34,21 +34,11 @@ def _bf16_weights(words, d, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constex
 
 
 @triton.jit
-def _slot_k(slot):
-    """K (in its block) of W4A8 activation slot ``slot`` = 16 h + 4q + i (``prepare.E4M3_VALUE_SLOT``): value pair j =
-    2h + 1 - (i & 1), member c = i >> 1 (h = 0) or (i ^ (i >> 1)) & 1 (h = 1); K = 8j + 2q + c."""
-    h = slot >> 4
-    i = slot & 3
-    c = tl.where(h == 0, i >> 1, (i ^ (i >> 1)) & 1)
-    return 8 * (2 * h + 1 - (i & 1)) + 2 * ((slot >> 2) & 3) + c
-
-
-@triton.jit
 def _e4m3_weights(words, BM: tl.constexpr, PURE: tl.constexpr):
     """Prepared words [BM, 4] (one K32 block) -> [BM, 32] E4M3 values E2M1 * 2**-5 (exact, unfolded: the block scale
     multiplies the partial sum), in the activations' slot order (``prepare.e4m3_slot_order``)."""
     if PURE:
-        k = _slot_k(tl.arange(0, 32))
+        k = slot_k(tl.arange(0, 32))
         codes = tl.gather(prepared_codes(words, BM, 32), tl.broadcast_to(k[None, :], (BM, 32)), 1)
         return e2m1_to_e4m3(codes, 1).to(tl.float8e4nv, bitcast=True)
     else:  # the Gluon kernels' asm with the unfolded table: word q -> slots 4q .. 4q+3 and 16 + 4q .. 16 + 4q + 3
