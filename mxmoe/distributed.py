@@ -95,7 +95,7 @@ import torch
 from .activation import ACTIVATIONS
 from .moe import fused_moe, validate_moe_args
 from .prepare import W13_LAYOUTS, PreparedExperts, prepare_weights
-from .selection import PRECISIONS, fp8_min_rows, is_capturing, plan_layer
+from .selection import PRECISIONS, fp8_min_rows, is_capturing, select_precision
 from .sharding import ep_expert_map, ep_shard_weights, tp_shard_weights
 
 __all__ = [
@@ -287,18 +287,17 @@ class TensorParallelMoE(_ParallelMoEBase):
                                error, self.rank)
         elif error is not None:
             raise error
-        plan = plan_layer(T * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
-                          swiglu_alpha=swiglu_alpha, capturing=capturing)  # one plan, every rank the same
+        path = select_precision(T * top_k, precision=precision, capturing=capturing)  # every rank the same
         tl.mark("start", x.device)
         partial = fused_moe(x, self.experts, topk_weights, topk_ids, activation=activation, swiglu_limit=swiglu_limit,
-                            swiglu_alpha=swiglu_alpha, expert_map=expert_map, precision=plan.path, workspace=workspace)
+                            swiglu_alpha=swiglu_alpha, expert_map=expert_map, precision=path, workspace=workspace)
         tl.mark("computed", x.device)
         acc = partial.float()  # BF16 partial -> FP32; the sum over ranks is FP32
         dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
         tl.mark("reduced", x.device)
         result = acc.to(torch.bfloat16) if out is None else out.copy_(acc)
         tl.mark("end", x.device)
-        return (result, plan.path) if return_precision else result
+        return (result, path) if return_precision else result
 
 
 # ----------------------------------------------------------------------------- EP
@@ -307,8 +306,7 @@ class TensorParallelMoE(_ParallelMoEBase):
 @dataclass
 class _Items:
     """An expert-parallel forward's items (routes or (rank, token) pairs) grouped by destination rank."""
-    ids: torch.Tensor  # global expert id per route (int64)
-    valid: torch.Tensor  # per route: the id names an expert
+    flat_ids: torch.Tensor  # global expert id per route (int32; -1 where it names no expert)
     order: torch.Tensor  # items sorted by destination rank (stable)
     item_token: torch.Tensor  # the token of each item
     send_counts: torch.Tensor  # items per destination rank (on device)
@@ -383,15 +381,14 @@ class ExpertParallelMoE(_ParallelMoEBase):
         tl.mark("start", device)
         if error is None:
             items = self._items(topk_ids, T, top_k)
+            counts, status = items.send_counts, _STATUS_OK
             fields = _call_fields(x.shape[1], top_k, precision, activation, swiglu_limit, swiglu_alpha, threshold)
-            send_counts, recv_counts, global_tokens = self._headers(items.send_counts, _STATUS_OK, T, fields, error)
         else:
-            items = None
-            send_counts, recv_counts, global_tokens = self._headers(
-                torch.zeros(self.world_size, dtype=torch.int64, device=device), _STATUS_BAD, T,
-                [-1] * len(_CALL_FIELD_NAMES), error)  # (raises, on every rank)
-        plan = plan_layer(global_tokens * top_k, precision=precision, activation=activation, swiglu_limit=swiglu_limit,
-                          swiglu_alpha=swiglu_alpha)  # from the global rows: every rank the same
+            items, status, fields = None, _STATUS_BAD, [-1] * len(_CALL_FIELD_NAMES)
+            counts = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        # (raises on every rank when a rank failed or the calls disagree)
+        send_counts, recv_counts, global_tokens = self._headers(counts, status, T, fields, error)
+        path = select_precision(global_tokens * top_k, precision=precision)  # from the global rows: every rank the same
         tl.mark("header", device)
         x_recv, meta_recv = self._dispatch(x, topk_weights, items, send_counts, recv_counts, T, top_k)
         tl.mark("dispatched", device)
@@ -400,14 +397,14 @@ class ExpertParallelMoE(_ParallelMoEBase):
             ids_recv = meta_recv[:, :k_recv].contiguous()
             w_recv = meta_recv[:, k_recv:].contiguous().view(torch.float32)
             y = fused_moe(x_recv, self.experts, w_recv, ids_recv, activation=activation, swiglu_limit=swiglu_limit,
-                          swiglu_alpha=swiglu_alpha, expert_map=self.expert_map, precision=plan.path,
+                          swiglu_alpha=swiglu_alpha, expert_map=self.expert_map, precision=path,
                           workspace=workspace)
         else:
             y = torch.empty(0, x.shape[1], dtype=torch.bfloat16, device=device)
         tl.mark("computed", device)
         result = self._combine(y, items, send_counts, recv_counts, T, top_k, out)
         tl.mark("end", device)
-        return (result, plan.path) if return_precision else result
+        return (result, path) if return_precision else result
 
     def _items(self, topk_ids: torch.Tensor, T: int, top_k: int) -> "_Items":
         """Routing, on device: one item per route (route mode, item ``t * top_k + k``) or per (rank, token) (token
@@ -427,7 +424,8 @@ class ExpertParallelMoE(_ParallelMoEBase):
             key = torch.where(need[:, :world].t(), ranks, torch.full_like(ranks, world)).reshape(-1)
             item_token = torch.arange(T, device=device).repeat(world)
         order = torch.sort(key, stable=True).indices
-        return _Items(ids, valid, order, item_token, torch.bincount(key, minlength=world + 1)[:world])
+        flat_ids = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32)
+        return _Items(flat_ids, order, item_token, torch.bincount(key, minlength=world + 1)[:world])
 
     def _headers(self, send_counts_dev, status: int, T: int, fields: list, error) -> tuple[list, list, int]:
         """The header exchange (row j to rank j: [count for j, status, T, E, dispatch, fields...]) and its one host
@@ -457,11 +455,10 @@ class ExpertParallelMoE(_ParallelMoEBase):
         tok = items.item_token[sel]
         x_send = x.index_select(0, tok)
         weights32 = topk_weights.float()
-        flat_ids = torch.where(items.valid, items.ids, torch.full_like(items.ids, -1)).to(torch.int32)
         if self.dispatch == "route":
-            meta_send = torch.stack((flat_ids[sel], weights32.reshape(-1)[sel].view(torch.int32)), dim=1)
+            meta_send = torch.stack((items.flat_ids[sel], weights32.reshape(-1)[sel].view(torch.int32)), dim=1)
         else:
-            ids32 = flat_ids.view(T, top_k)
+            ids32 = items.flat_ids.view(T, top_k)
             meta_send = torch.cat((ids32.index_select(0, tok), weights32.view(torch.int32).index_select(0, tok)), dim=1)
         meta_send = meta_send.contiguous()
         x_recv = torch.empty(n_recv, H, dtype=torch.bfloat16, device=device)

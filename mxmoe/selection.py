@@ -59,7 +59,7 @@ def select_precision(rows: int, *, precision: str = "auto", capturing: bool | No
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """How one call runs, resolved once (by the op when it runs; by ``distributed`` for all ranks at once): the path
+    """How one call runs, resolved once (by the op when it runs): the path
     and the activation with its limit and alpha (defaults applied). The launchers and the reference read it."""
     path: str  # "w4a16" or "w4a8"
     activation: str = "silu"
