@@ -24,6 +24,9 @@ from typing import Optional
 import torch
 
 from ._details import cdiv, next_pow2
+from ._details.config import pdl_launch
+from ._details.launch_plan import KernelLaunch, run_launches
+from ._details.routing_kernels import route_count_kernel, route_pack_small_kernel, route_scatter_kernel
 
 SENTINEL = -1
 ROUTE_BLOCK = 1024  # routes up to which one program packs them all (on a block of their size, 16 at least)
@@ -44,7 +47,7 @@ def local_expert_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: Optio
 def route_pack_capacity(num_routes: int, num_experts: int, block_rows: int) -> tuple[int, int]:
     """(max padded rows, max tiles) for any routing of ``num_routes`` routes."""
     # every listed tile holds a valid row, and each non-empty expert wastes < one tile
-    max_tiles = min(num_routes, -(-num_routes // block_rows) + min(num_experts, num_routes))
+    max_tiles = min(num_routes, cdiv(num_routes, block_rows) + min(num_experts, num_routes))
     return max_tiles * block_rows, max_tiles
 
 
@@ -106,29 +109,23 @@ def device_route_pack(workspace, topk_ids: torch.Tensor, expert_map: Optional[to
                       num_experts: int) -> RoutePack:
     """The route pack of :func:`route_pack` built by the Triton kernels into ``workspace``'s buffers (no host sync,
     capturable); returns views of them."""
-    from ._details.launch_plan import run_launches
-
     pack, launches = route_pack_launches(workspace, topk_ids, expert_map, block_rows, num_experts)
     run_launches(launches)
     return pack
 
 
-def route_pack_launches(workspace, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int,
+def route_pack_launches(ws, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int,
                         num_experts: int) -> tuple[RoutePack, list]:
     """The launches of :func:`device_route_pack` (``_details.launch_plan.KernelLaunch``) and the pack they build:
-    one kernel up to ``ROUTE_BLOCK`` routes, else two (``_details.routing_kernels``); no torch fill."""
-    from ._details.config import pdl_launch
-    from ._details.launch_plan import KernelLaunch
-    from ._details.routing_kernels import route_count_kernel, route_pack_small_kernel, route_scatter_kernel
-
-    self = workspace
+    one kernel up to ``ROUTE_BLOCK`` routes, else two (``_details.routing_kernels``); no torch fill. ``ws``: the
+    Workspace whose buffers the pack is built in."""
     R = topk_ids.numel()
     max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
-    if max_rows > self.sorted_routes.numel() or max_tiles > self.tile_expert.numel():
+    if max_rows > ws.sorted_routes.numel() or max_tiles > ws.tile_expert.numel():
         raise ValueError(f"workspace: no room for a pack of {block_rows}-row tiles of {R} routes")
-    sorted_routes = self.sorted_routes[:max_rows]
+    sorted_routes = ws.sorted_routes[:max_rows]
     n_global = num_experts if expert_map is None else expert_map.numel()
-    emap = expert_map if expert_map is not None else self.counts
+    emap = expert_map if expert_map is not None else ws.counts
     e_block = next_pow2(num_experts)
     if R <= ROUTE_BLOCK:  # decode, small batches: one launch
         # a block of the routes' size, not ROUTE_BLOCK: H200 graph replays, R=8: 5.0 -> 3.2 us, R=128: 5.0 ->
@@ -136,26 +133,26 @@ def route_pack_launches(workspace, topk_ids: torch.Tensor, expert_map: Optional[
         block = max(16, next_pow2(R))
         launches = [KernelLaunch(
             route_pack_small_kernel, (1,),
-            (topk_ids, emap, self.expert_counts, self.offsets, self.tile_expert, self.tile_start, self.num_tiles,
-             self.route_slot, sorted_routes, R, num_experts, n_global, max_rows, max_tiles),
+            (topk_ids, emap, ws.expert_counts, ws.offsets, ws.tile_expert, ws.tile_start, ws.num_tiles,
+             ws.route_slot, sorted_routes, R, num_experts, n_global, max_rows, max_tiles),
             dict(HAS_MAP=expert_map is not None, BT=block_rows, BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK,
                  num_warps=4, **pdl_launch(topk_ids.device)))]
     else:
         grid = (cdiv(R, ROUTE_BLOCK),)
         launches = [
             KernelLaunch(route_count_kernel, grid,
-                         (topk_ids, emap, self.counts, self.route_done, self.route_expert, self.route_rank,
-                          self.expert_counts, self.offsets, self.sub_offsets, self.tile_expert, self.tile_start,
-                          self.num_tiles, R, num_experts, n_global, max_tiles),
-                         dict(HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs, BT=block_rows,
+                         (topk_ids, emap, ws.counts, ws.route_done, ws.route_expert, ws.route_rank,
+                          ws.expert_counts, ws.offsets, ws.sub_offsets, ws.tile_expert, ws.tile_start,
+                          ws.num_tiles, R, num_experts, n_global, max_tiles),
+                         dict(HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=ws.route_subs, BT=block_rows,
                               E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK)),
             KernelLaunch(route_scatter_kernel, grid,
-                         (self.route_expert, self.route_rank, self.sub_offsets, self.expert_counts, self.offsets,
-                          self.tile_expert, self.num_tiles, self.route_slot, sorted_routes, R, num_experts, max_rows),
-                         dict(BT=block_rows, BLOCK=ROUTE_BLOCK, SUBS=self.route_subs)),
+                         (ws.route_expert, ws.route_rank, ws.sub_offsets, ws.expert_counts, ws.offsets,
+                          ws.tile_expert, ws.num_tiles, ws.route_slot, sorted_routes, R, num_experts, max_rows),
+                         dict(BT=block_rows, BLOCK=ROUTE_BLOCK, SUBS=ws.route_subs)),
         ]
-    pack = RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=self.route_slot[:R],
-                     expert_counts=self.expert_counts, segment_offsets=self.offsets,
-                     tile_expert=self.tile_expert[:max_tiles], tile_start=self.tile_start[:max_tiles],
-                     num_tiles=self.num_tiles)
+    pack = RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=ws.route_slot[:R],
+                     expert_counts=ws.expert_counts, segment_offsets=ws.offsets,
+                     tile_expert=ws.tile_expert[:max_tiles], tile_start=ws.tile_start[:max_tiles],
+                     num_tiles=ws.num_tiles)
     return pack, launches

@@ -80,5 +80,5 @@ def plan_layer(rows: int, *, precision: str = "auto", activation: str = "silu", 
 
 @functools.lru_cache(maxsize=64)
 def _layer_plan(path: str, activation: str, swiglu_limit: Optional[float], swiglu_alpha: Optional[float]) -> LayerPlan:
-    """One LayerPlan object per kind of call (they key the launch plans: made and hashed once)."""
+    """One LayerPlan object per kind of call (they key the launch plans: made once)."""
     return LayerPlan(path, activation, *activation_params(activation, swiglu_limit, swiglu_alpha))

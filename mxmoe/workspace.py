@@ -21,8 +21,9 @@ _NEXT_HANDLE = itertools.count()
 
 def register_workspace(workspace) -> int:
     """A new handle for ``workspace`` (a Workspace or a WorkspacePlan takes one when it is created): valid while it
-    lives. When the op runs, the launcher (or, on the CPU emulation, the op) resolves it with ``for_call(experts,
-    tokens, top_k, fp8)``, once per call."""
+    lives. When the op runs, the launcher takes the workspace it names if that holds the call (``held_workspace``) and
+    calls ``for_call(experts, tokens, top_k, fp8)`` (check, or grow a plan's) only when it does not; the CPU emulation
+    calls ``for_call``."""
     handle = next(_NEXT_HANDLE)
     _WORKSPACES[handle] = workspace
     return handle

@@ -14,7 +14,7 @@ import torch
 import mxmoe
 from _experts import kernel_times, random_experts, run
 from mxmoe._details.config import overrides
-from mxmoe.bench import capture_graph, cuda_event_sampler, median
+from mxmoe.bench import capture_graph, cuda_event_sampler, median, round_orders
 
 ap = argparse.ArgumentParser()
 ap.add_argument("tokens")
@@ -55,8 +55,7 @@ for T in [int(t) for t in args.tokens.split(",")]:
         same.append(torch.equal(outs[-1][0], outs[0][0]))
         same_masked.append(torch.equal(outs[-1][1], outs[0][1]))
     times = [[] for _ in variants]
-    for r in range(args.rounds):
-        order = range(len(variants)) if r % 2 == 0 else reversed(range(len(variants)))
+    for order in round_orders(list(range(len(variants))), args.rounds):  # as given, reversed, ...
         for i in order:
             times[i].append(median(cuda_event_sampler(graphs[i].replay, 40)) * 1000)
     base = statistics.median(times[0])

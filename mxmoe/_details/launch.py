@@ -24,7 +24,7 @@ import triton
 from ..prepare import PreparedExperts, expert_tensors, experts_from_tensors, row_block_unit
 from ..routing import route_pack_capacity, route_pack_launches
 from ..selection import LayerPlan
-from ..workspace import default_plan, held_workspace
+from ..workspace import default_plan, held_workspace, workspace_for
 from . import cdiv, env_get, interpreting, next_pow2  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
                      gemm_config, gluon_kernel, gluon_validated, kernel_choice, pdl_launch, small_kernel_constexprs,
@@ -181,7 +181,7 @@ def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerP
     if T == 0:
         return torch.zeros(0, experts.intermediate_size, dtype=torch.float32 if plan.fp8 else torch.bfloat16,
                            device=x.device)
-    workspace = default_plan().for_call(experts, T, top_k, plan.fp8)
+    workspace = workspace_for(experts, T, top_k, plan.fp8)
     launches, inter, pack = describe(x, experts, topk_weights, topk_ids, plan, expert_map, None, workspace,
                                      gemm2=False)
     run_launches(launches)

@@ -21,7 +21,6 @@ dangle).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -93,10 +92,11 @@ class LaunchPlan:
             params = launch.kernel.params
             values = list(launch.args) + [launch.meta.get(p.name, p.default) for p in params[len(launch.args):]]
             constants: list = []
-            source = "lambda p, c: (" + "".join(_expression(v, table, spans, constants) + ", " for v in values) + ")"
-            build = eval(source)  # noqa: S307 (our own expression of indices into p and c)
+            source = "lambda p, c=c: (" + "".join(_expression(v, table, spans, constants) + ", " for v in values) + ")"
+            # (our own expression of indices into p and c; c bound as a default: a partial's keyword costs a dict)
+            build = eval(source, {"c": tuple(constants)})  # noqa: S307
             grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-            steps.append(_Step(*_launcher(compiled), grid, functools.partial(build, c=tuple(constants))))
+            steps.append(_Step(*_launcher(compiled), grid, build))
         return cls(steps)
 
     def run(self, pointers: Sequence[int], stream: int) -> None:

@@ -30,11 +30,11 @@ HOST_ROUNDS = 5
 
 
 def host_ms(fn: Callable[[], object], calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> float:
-    """Median host wall time of one eager call of ``fn`` (ms), with the GPU kept busy by a ~50 ms sleep kernel so
+    """Median host wall time of one eager call of ``fn`` (ms), with the GPU kept busy by a 25-50 ms sleep kernel so
     that no launch waits on the device: ``calls`` calls back to back per round, each timed with ``perf_counter``."""
     samples = []
     for _ in range(rounds):
-        torch.cuda._sleep(50_000_000)  # ~50 ms of GPU time at ~1-2 GHz
+        torch.cuda._sleep(50_000_000)  # 50 M cycles: 25-50 ms of GPU time at 1-2 GHz
         for _ in range(calls):
             t0 = time.perf_counter()
             fn()
