@@ -5,7 +5,8 @@ Data flow, one module per stage: ``format`` (E2M1-K32) -> ``prepare`` (PreparedE
 ``workspace``), behind the public entry ``fused_moe`` in ``moe`` (which calls the custom op
 ``torch.ops.mxmoe.fused_moe`` of ``op``) and the module ``MoEExperts`` in ``module``.
 """
-from .format import dequantize_mxfp4, load_gpt_oss_experts, quantize_mxfp4
+from .format import dequantize_mxfp4, quantize_mxfp4
+from .gpt_oss import gpt_oss_router, load_gpt_oss_experts
 from .moe import fused_moe
 from .module import MoEExperts
 from .prepare import PreparedExperts, prepare_weights, unprepare_weights
@@ -17,7 +18,8 @@ from .workspace import Workspace
 __version__ = "0.1.0"
 
 __all__ = [
-    "MoEExperts", "PreparedExperts", "RoutePack", "Workspace", "dequantize_mxfp4", "fused_moe", "fused_moe_reference", "load_gpt_oss_experts",
+    "MoEExperts", "PreparedExperts", "RoutePack", "Workspace", "dequantize_mxfp4", "fused_moe", "fused_moe_reference", "gpt_oss_router",
+    "load_gpt_oss_experts",
     "local_expert_ids", "prepare_weights", "quantize_mxfp4", "relative_l2", "route_pack", "select_precision",
     "unprepare_weights",
 ]

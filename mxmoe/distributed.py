@@ -93,7 +93,7 @@ from typing import Optional
 import torch
 
 from .activation import ACTIVATIONS
-from .moe import fused_moe, validate_moe_args
+from .moe import call_activation, fused_moe, validate_moe_args
 from .prepare import W13_LAYOUTS, PreparedExperts, prepare_weights
 from .selection import PRECISIONS, fp8_min_rows, is_capturing, select_precision
 from .sharding import ep_expert_map, ep_shard_weights, tp_shard_weights
@@ -233,7 +233,8 @@ class TensorParallelMoE(_ParallelMoEBase):
 
     def __init__(self, w13, w13_scale, w2, w2_scale, *, w13_layout: str = "gate_up", b13=None, b2=None,
                  w13_global_scale=None, w2_global_scale=None, group=None, device=None, check_inputs: bool = True,
-                 profile: bool = False):
+                 profile: bool = False,
+                 activation: Optional[str] = None, swiglu_limit=None, swiglu_alpha=None):
         super().__init__(group, profile)
         # pure functions of shapes and world size: raise on every rank, before any collective
         shard = tp_shard_weights(w13, w13_scale, w2, w2_scale, rank=self.rank, world_size=self.world_size,
@@ -244,7 +245,8 @@ class TensorParallelMoE(_ParallelMoEBase):
         self.w13_layout = w13_layout
         experts, error = None, None
         try:
-            experts = prepare_weights(**shard)
+            experts = prepare_weights(**shard, activation=activation, swiglu_limit=swiglu_limit,
+                                      swiglu_alpha=swiglu_alpha)
         except (ValueError, TypeError) as e:
             error = e
         extras = [self.full_intermediate_size, int(b13 is not None), int(b2 is not None),
@@ -259,7 +261,7 @@ class TensorParallelMoE(_ParallelMoEBase):
     def num_experts(self) -> int:
         return self.experts.num_experts
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "silu",
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: Optional[str] = None,
                 swiglu_limit=None, swiglu_alpha=None, expert_map: Optional[torch.Tensor] = None, precision: str = "auto",
                 out: Optional[torch.Tensor] = None, workspace=None, return_precision: bool = False):
         """The MoE layer on the full (replicated) ``x [T, H]`` and routing, same arguments
@@ -270,6 +272,7 @@ class TensorParallelMoE(_ParallelMoEBase):
         dist, tl = self._dist, self.timeline
         error, T, top_k, threshold = None, -1, -1, -1
         try:
+            activation, swiglu_limit, swiglu_alpha = call_activation(self.experts, activation, swiglu_limit, swiglu_alpha)
             T, top_k, threshold = _local_validate(self.experts, x, topk_weights, topk_ids, activation, swiglu_limit,
                                                   swiglu_alpha, expert_map, out, precision)
         except (ValueError, TypeError) as e:
@@ -331,7 +334,8 @@ class ExpertParallelMoE(_ParallelMoEBase):
 
     def __init__(self, w13, w13_scale, w2, w2_scale, *, w13_layout: str = "gate_up", b13=None, b2=None,
                  w13_global_scale=None, w2_global_scale=None, group=None, device=None, dispatch: str = "route",
-                 profile: bool = False):
+                 profile: bool = False,
+                 activation: Optional[str] = None, swiglu_limit=None, swiglu_alpha=None):
         super().__init__(group, profile)
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
@@ -345,7 +349,8 @@ class ExpertParallelMoE(_ParallelMoEBase):
         self.w13_layout = w13_layout
         experts, error = None, None
         try:
-            experts = prepare_weights(**shard)
+            experts = prepare_weights(**shard, activation=activation, swiglu_limit=swiglu_limit,
+                                      swiglu_alpha=swiglu_alpha)
         except (ValueError, TypeError) as e:
             error = e
         extras = [self.global_num_experts, DISPATCH_MODES.index(dispatch), int(b13 is not None), int(b2 is not None),
@@ -360,7 +365,7 @@ class ExpertParallelMoE(_ParallelMoEBase):
     def num_experts(self) -> int:
         return self.global_num_experts
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "silu",
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: Optional[str] = None,
                 swiglu_limit=None, swiglu_alpha=None, expert_map: Optional[torch.Tensor] = None, precision: str = "auto",
                 out: Optional[torch.Tensor] = None, workspace=None, return_precision: bool = False):
         """The MoE layer on this rank's tokens ``x [T_r, H]`` (``T_r`` may differ between
@@ -374,6 +379,7 @@ class ExpertParallelMoE(_ParallelMoEBase):
             if expert_map is not None:
                 raise ValueError("expert_map must be None for ExpertParallelMoE (it builds each rank's map itself)")
             # the local check uses this rank's experts: they share H, dtype rules and device with the full set
+            activation, swiglu_limit, swiglu_alpha = call_activation(self.experts, activation, swiglu_limit, swiglu_alpha)
             T, top_k, threshold = _local_validate(self.experts, x, topk_weights, topk_ids, activation, swiglu_limit,
                                                   swiglu_alpha, None, out, precision)
         except (ValueError, TypeError) as e:

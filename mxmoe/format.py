@@ -1,4 +1,4 @@
-"""The E2M1-K32 (OCP MXFP4) weight format: quantize, dequantize, load gpt-oss tensors.
+"""The E2M1-K32 (OCP MXFP4) weight format: quantize, dequantize (gpt-oss checkpoints: ``mxmoe.gpt_oss``).
 
 Element: E2M1, 4 bits = sign (bit 3), exponent (bits 2..1, bias 1), mantissa (bit 0).
 Magnitudes by code 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are the negatives.
@@ -7,9 +7,6 @@ Scale: one UE8M0 byte per 32 K-elements of a row, byte b means 2**(b - 127).
 Byte 255 (NaN in OCP) is rejected with a ValueError; byte 0 (2**-127) is legal.
 """
 from __future__ import annotations
-
-import os
-from typing import Mapping
 
 import torch
 
@@ -101,46 +98,3 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     exp = scales_u8.to(torch.int32) - 127
     scale = torch.ldexp(torch.ones(exp.shape, dtype=torch.float64, device=packed.device), exp)
     return (values * scale.unsqueeze(-1)).reshape(*packed.shape[:-1], -1).to(dtype)
-
-
-# gpt-oss checkpoints: names used by the original release and by the HF transformers port.
-_GPT_OSS_NAMES = {
-    "original": ("mlp1_weight.blocks", "mlp1_weight.scales", "mlp1_bias", "mlp2_weight.blocks", "mlp2_weight.scales", "mlp2_bias"),
-    "hf": ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales", "down_proj_bias"),
-}
-
-
-def load_gpt_oss_experts(source: Mapping[str, torch.Tensor] | str | os.PathLike, prefix: str = "") -> dict:
-    """Read one layer's gpt-oss MXFP4 experts from a state dict or a safetensors file.
-
-    ``prefix`` is everything before the tensor names (e.g. ``"block.0.mlp."`` or
-    ``"model.layers.0.mlp.experts."``). Blocks ``[E, N, K/32, 16]`` become packed
-    ``[E, N, K/2]``. Returns keyword arguments for :func:`mxmoe.prepare_weights`
-    (``w13_layout="interleaved"``, gpt-oss's row order), biases included when present.
-    """
-    if isinstance(source, (str, os.PathLike)):
-        from safetensors.torch import load_file  # optional dependency, only for files
-
-        source = load_file(os.fspath(source))
-    for names in _GPT_OSS_NAMES.values():
-        if prefix + names[0] in source:
-            break
-    else:
-        raise KeyError(f"no gpt-oss expert tensors under prefix {prefix!r} (looked for {[prefix + n[0] for n in _GPT_OSS_NAMES.values()]})")
-    blocks13, scales13, bias13, blocks2, scales2, bias2 = (source.get(prefix + n) for n in names)
-
-    def packed(blocks: torch.Tensor, name: str) -> torch.Tensor:
-        if blocks.dim() != 4 or blocks.shape[-1] != BLOCK_K // 2 or blocks.dtype != torch.uint8:
-            raise ValueError(f"{name} must be uint8 [E, N, K/32, 16], got {blocks.dtype} {tuple(blocks.shape)}")
-        return blocks.reshape(*blocks.shape[:2], -1).contiguous()
-
-    out = dict(
-        w13=packed(blocks13, prefix + names[0]), w13_scale=scales_as_uint8(scales13, prefix + names[1]),
-        w2=packed(blocks2, prefix + names[3]), w2_scale=scales_as_uint8(scales2, prefix + names[4]),
-        w13_layout="interleaved",
-    )
-    if bias13 is not None:
-        out["b13"] = bias13
-    if bias2 is not None:
-        out["b2"] = bias2
-    return out

@@ -17,7 +17,7 @@ import torch
 
 from .moe import fused_moe
 from .prepare import LAYOUT_VERSION, PreparedExperts, check_layout_version, prepare_weights
-from .activation import ACTIVATIONS
+from .activation import ACTIVATIONS, Activation, resolve_call_activation
 from .selection import PRECISIONS
 from .workspace import WorkspacePlan
 
@@ -38,11 +38,14 @@ class MoEExperts(torch.nn.Module):
     expert part (routing stays with the caller). ``max_tokens`` / ``top_k``: the workspace's plan (default: grown
     to the calls seen, outside capture)."""
 
-    def __init__(self, experts: PreparedExperts, *, activation: str = "silu", swiglu_limit: Optional[float] = None,
-                 swiglu_alpha: Optional[float] = None, precision: str = "auto", max_tokens: Optional[int] = None,
-                 top_k: Optional[int] = None):
+    def __init__(self, experts: PreparedExperts, *, activation: Optional[str] = None,
+                 swiglu_limit: Optional[float] = None, swiglu_alpha: Optional[float] = None, precision: str = "auto",
+                 max_tokens: Optional[int] = None, top_k: Optional[int] = None):
         super().__init__()
         check_layout_version(experts)
+        # the experts' own activation where none is named; another than theirs raises (as fused_moe does)
+        activation, swiglu_limit, swiglu_alpha = resolve_call_activation(experts.activation, activation, swiglu_limit,
+                                                                         swiglu_alpha)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if precision not in PRECISIONS:
@@ -61,13 +64,12 @@ class MoEExperts(torch.nn.Module):
     def from_gpt_oss(cls, source, prefix: str = "", *, device=None, **kwargs) -> "MoEExperts":
         """One gpt-oss layer's experts (a state dict or a safetensors file; :func:`mxmoe.load_gpt_oss_experts`),
         prepared on ``device`` (default: where the tensors are), with gpt-oss's activation (swigluoai, alpha 1.702,
-        limit 7) unless ``kwargs`` say otherwise."""
-        from .format import load_gpt_oss_experts
+        limit 7), which the experts remember."""
+        from .gpt_oss import load_gpt_oss_experts
 
         src = load_gpt_oss_experts(source, prefix)
         if device is not None:
             src = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in src.items()}
-        kwargs.setdefault("activation", "swigluoai")
         return cls(prepare_weights(**src), **kwargs)
 
     @classmethod
@@ -119,7 +121,9 @@ class MoEExperts(torch.nn.Module):
         if self._prepared is None or self._prepared.w13 is not self.w13:
             self._prepared = PreparedExperts(**{n: getattr(self, n) for n in _TENSORS}, all_fold=self._all_fold,
                                              source_layout=self.source_layout,
-                                             source_scale_dtypes=self.source_scale_dtypes)
+                                             source_scale_dtypes=self.source_scale_dtypes,
+                                             activation=Activation.of(self.activation, self.swiglu_limit,
+                                                                      self.swiglu_alpha))
         return self._prepared
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

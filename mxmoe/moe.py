@@ -13,12 +13,11 @@ plain eager call the op's body itself (``op.runs_directly``).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from .activation import ACTIVATIONS
+from .activation import check_activation_args, resolve_call_activation
 from .op import fused_moe_op, runs_directly, workspace_handle
 from .prepare import PreparedExperts, check_layout_version, expert_tensors
 from .selection import PRECISIONS, select_precision
@@ -36,6 +35,14 @@ def _check_tensor(t, name, dtypes, dim, device):
         raise ValueError(f"{name} is on {t.device}, expected {device} (the experts' device)")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def call_activation(experts, activation, swiglu_limit, swiglu_alpha) -> tuple:
+    """``(activation, swiglu_limit, swiglu_alpha)`` of a call on ``experts``: the experts' remembered activation
+    where the call names none, an error where it names another (``activation.resolve_call_activation``)."""
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts must be a PreparedExperts (from mxmoe.prepare_weights), got {type(experts).__name__}")
+    return resolve_call_activation(experts.activation, activation, swiglu_limit, swiglu_alpha)
 
 
 def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out):
@@ -60,16 +67,7 @@ def validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_lim
         _check_tensor(expert_map, "expert_map", (torch.int32,), 1, device)
         if expert_map.numel() == 0:
             raise ValueError("expert_map must not be empty")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
-                                     or not math.isfinite(swiglu_limit) or swiglu_limit <= 0):
-        raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {swiglu_limit!r}")
-    if swiglu_alpha is not None:
-        if activation != "swigluoai":
-            raise ValueError("swiglu_alpha applies only to activation='swigluoai'")
-        if isinstance(swiglu_alpha, bool) or not isinstance(swiglu_alpha, (int, float)) or not math.isfinite(swiglu_alpha):
-            raise ValueError(f"swiglu_alpha must be a finite number, got {swiglu_alpha!r}")
+    check_activation_args(activation, swiglu_limit, swiglu_alpha)
     if out is not None:
         _check_tensor(out, "out", (torch.bfloat16,), 2, device)
         if out.shape != x.shape:
@@ -84,7 +82,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: Optional[str] = None,
     swiglu_limit: Optional[float] = None,
     swiglu_alpha: Optional[float] = None,
     expert_map: Optional[torch.Tensor] = None,
@@ -99,7 +97,9 @@ def fused_moe(
     or int64 ``[T, top_k]`` (masked routes per SPEC §3 contribute zero); ``expert_map``
     int32 ``[E_global]`` (global -> local id or -1) for expert parallelism.
     ``activation``: ``"silu"`` (``swiglu_limit`` clamps as in GLM) or ``"swigluoai"``
-    (defaults alpha 1.702, limit 7). ``precision``: ``"auto"`` (environment
+    (defaults alpha 1.702, limit 7); left out (None), the one the experts remember
+    (``prepare_weights(activation=...)``, the gpt-oss loaders), else ``"silu"``. Naming another
+    than the experts remember raises ``ValueError`` (``experts.with_activation`` changes theirs). ``precision``: ``"auto"`` (environment
     ``MXMOE_FP8_PREFILL_MIN_ROWS``), ``"w4a16"`` or ``"w4a8"``; CUDA-graph capture always
     runs W4A16. ``out``: optional BF16 ``[T, H]`` to write. ``workspace``: a
     :class:`mxmoe.Workspace` sized for the largest T (needed for graph capture; without
@@ -107,6 +107,7 @@ def fused_moe(
     ``(out, precision_that_ran)`` with ``return_precision=True``.
     Bad arguments raise ``TypeError``/``ValueError`` naming the argument, before any work.
     """
+    activation, swiglu_limit, swiglu_alpha = call_activation(experts, activation, swiglu_limit, swiglu_alpha)
     T, top_k = validate_moe_args(x, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha, expert_map, out)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

@@ -37,11 +37,12 @@ About 4.25 bits per weight plus 4 bytes of metadata per row (and 4 per expert); 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from .activation import Activation
 from .format import BLOCK_K, check_no_nan_scales, scales_as_uint8
 
 W13_LAYOUTS = ("gate_up", "up_gate", "interleaved")
@@ -77,6 +78,10 @@ class PreparedExperts:
     w13_scale_restore: torch.Tensor  # int64 [n, 2]: (flat index, source byte) of the zero blocks' lowered bytes
     w2_scale_restore: torch.Tensor  # (kernel_scales; n = 0 for quantized weights)
     layout_version: int = LAYOUT_VERSION
+    # the activation the weights belong to (prepare_weights' activation; the gpt-oss loaders set theirs): calls that
+    # name none run it, calls that name another raise (activation.resolve_call_activation). None: not recorded (a
+    # call's default is silu; also experts pickled before the field existed)
+    activation: Optional[Activation] = None
 
     @property
     def num_experts(self) -> int:
@@ -112,6 +117,12 @@ class PreparedExperts:
     def source_order_weights(self) -> tuple:
         """``(w13, w2)`` packed bytes in source order (``[gate; up]`` rows): what a plain MXFP4 decoder reads."""
         return _source_bytes(self.w13), _source_bytes(self.w2)
+
+    def with_activation(self, activation: Optional[str], swiglu_limit: Optional[float] = None,
+                        swiglu_alpha: Optional[float] = None) -> "PreparedExperts":
+        """The same experts (the same tensors, not copied) remembering another activation (None: none)."""
+        return replace(self, activation=None if activation is None else Activation.of(activation, swiglu_limit,
+                                                                                       swiglu_alpha))
 
     def to(self, device) -> "PreparedExperts":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -406,6 +417,9 @@ def prepare_weights(
     b2: Optional[torch.Tensor] = None,
     w13_global_scale: Optional[torch.Tensor] = None,
     w2_global_scale: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+    swiglu_limit: Optional[float] = None,
+    swiglu_alpha: Optional[float] = None,
 ) -> PreparedExperts:
     """Prepare E2M1-K32 expert weights once per model for both kernel paths.
 
@@ -414,9 +428,15 @@ def prepare_weights(
     up); ``w2`` uint8 ``[E, H, I/2]`` with scales ``[E, H, I/32]``. Scales are uint8 or
     ``torch.float8_e8m0fnu``; byte 255 is rejected. Optional biases ``b13 [E, 2I]`` (same
     row order as ``w13``) and ``b2 [E, H]``, and per-expert FP32 global scales ``[E]``
-    (default 1) multiplying each GEMM's output before its bias. Runs on the weights'
-    device; call once at load time (it synchronizes with the host to validate).
+    (default 1) multiplying each GEMM's output before its bias. ``activation`` (``"silu"`` or ``"swigluoai"``,
+    with ``swiglu_limit`` / ``swiglu_alpha`` as :func:`mxmoe.fused_moe` takes them): the activation these weights
+    belong to, remembered by the result, so that a call naming none runs it and a call naming another raises
+    (None: none remembered; calls default to silu). :func:`mxmoe.load_gpt_oss_experts` gives gpt-oss's. Runs on
+    the weights' device; call once at load time (it synchronizes with the host to validate).
     """
+    remembered = None if activation is None else Activation.of(activation, swiglu_limit, swiglu_alpha)
+    if activation is None and (swiglu_limit is not None or swiglu_alpha is not None):
+        raise ValueError("swiglu_limit and swiglu_alpha need an activation")
     if w13_layout not in W13_LAYOUTS:
         raise ValueError(f"w13_layout must be one of {W13_LAYOUTS}, got {w13_layout!r}")
     s13 = _check_packed(w13, w13_scale, "w13", None, None)
@@ -461,7 +481,7 @@ def prepare_weights(
         all_fold=bool(fold13.all()) and bool(fold2.all()),
         b13=None if b13 is None else _to_gate_up(b13.unsqueeze(-1), w13_layout).squeeze(-1),
         b2=b2, w13_global_scale=g13, w2_global_scale=g2,
-        source_layout=w13_layout, source_scale_dtypes=(w13_scale.dtype, w2_scale.dtype),
+        source_layout=w13_layout, source_scale_dtypes=(w13_scale.dtype, w2_scale.dtype), activation=remembered,
     )
 
 
@@ -469,7 +489,8 @@ def unprepare_weights(experts: PreparedExperts) -> dict:
     """Decode a :class:`PreparedExperts` back to the source tensors, bit for bit.
 
     Returns ``w13, w13_scale, w2, w2_scale`` in the source row layout and scale dtype
-    (plus ``b13``/``b2`` as float32 when present) and ``w13_layout``.
+    (plus ``b13``/``b2`` as float32 when present) and ``w13_layout``, and the remembered activation (``activation``,
+    ``swiglu_limit``, ``swiglu_alpha``) where there is one: keyword arguments of :func:`prepare_weights`.
     """
     def scale(t, dtype):
         return t.view(dtype) if dtype != torch.uint8 else t
@@ -488,4 +509,6 @@ def unprepare_weights(experts: PreparedExperts) -> dict:
         out["b13"] = _from_gate_up(experts.b13.unsqueeze(-1), layout).squeeze(-1).contiguous()
     if experts.b2 is not None:
         out["b2"] = experts.b2.clone()
+    if experts.activation is not None:
+        out.update(zip(("activation", "swiglu_limit", "swiglu_alpha"), experts.activation.call_args))
     return out

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .activation import apply_activation
+from .activation import apply_activation, resolve_call_activation
 from .format import dequantize_mxfp4
 from .prepare import PreparedExperts, _source_bytes
 from .routing import local_expert_ids
@@ -72,7 +72,7 @@ def fused_moe_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: Optional[str] = None,
     swiglu_limit: Optional[float] = None,
     swiglu_alpha: Optional[float] = None,
     expert_map: Optional[torch.Tensor] = None,
@@ -81,7 +81,8 @@ def fused_moe_reference(
     """Reference MoE layer ``out[t] = sum_k w[t,k] * y_{id[t,k]}(x[t])`` (SPEC §1-§5).
 
     Returns FP32 ``[T, H]`` for ``mode="exact"``, BF16 otherwise. Masked routes (id out
-    of range or mapped to -1 by ``expert_map``) contribute exactly zero.
+    of range or mapped to -1 by ``expert_map``) contribute exactly zero. ``activation``: as
+    :func:`mxmoe.fused_moe` (None: the experts' remembered one, else silu; another raises).
     """
     return fused_moe_references(x, experts, topk_weights, topk_ids, activation=activation, swiglu_limit=swiglu_limit,
                                 swiglu_alpha=swiglu_alpha, expert_map=expert_map, modes=(mode,))[mode]
@@ -93,7 +94,7 @@ def fused_moe_references(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: Optional[str] = None,
     swiglu_limit: Optional[float] = None,
     swiglu_alpha: Optional[float] = None,
     expert_map: Optional[torch.Tensor] = None,
@@ -101,6 +102,8 @@ def fused_moe_references(
 ) -> dict:
     """:func:`fused_moe_reference` in each of ``modes`` at once: ``{mode: output}``. Each expert's weights are
     decoded once for all modes (the fuzz harness's references)."""
+    activation, swiglu_limit, swiglu_alpha = resolve_call_activation(experts.activation, activation, swiglu_limit,
+                                                                     swiglu_alpha)
     for mode in modes:
         if mode not in REFERENCE_MODES:
             raise ValueError(f"mode must be one of {REFERENCE_MODES}, got {mode!r}")
