@@ -36,10 +36,11 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon" (moe_gemm_ws_kernel), "gluon_small"
+    kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon" (moe_gemm_ws_kernel), "gluon_small",
+    # "gluon_ws8" (sm90_ws8.moe_gemm_ws8_kernel: W4A8 prefill, producer + two consumer warpgroups)
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
-    loader_regs: int = 48  # (8 MMA warps x 176 registers + these fill the register file)
-    converter_regs: int = 112
+    loader_regs: int = 48  # "gluon": 8 MMA warps x 176 registers + these fill the register file; "gluon_ws8": the
+    converter_regs: int = 112  # producer's and each consumer warpgroup's (128 x 64 + 2 x 128 x 224 = 64 K)
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
     pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
@@ -55,7 +56,14 @@ class GemmConfig:
     promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
 
     def validate(self, n: int, k: int, gemm1: bool, fp8: bool) -> "GemmConfig":
-        """This config, if the small-tile kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
+        """This config, if its Gluon kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
+        if self.kernel == "gluon_ws8":
+            if not fp8 or k % 64 or n % 64 or self.block_k != 128 or self.block_rows not in (64, 128):
+                raise ValueError("the W4A8 prefill kernel takes W4A8, K and N multiples of 64, block_k=128 and "
+                                 "64- or 128-row route tiles")
+            if self.promote and self.block_rows != 64:
+                raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at 64-row tiles only")
+            return self
         if self.kernel != "gluon_small":
             return self
         steps = k // self.block_k
@@ -194,11 +202,14 @@ def gluon_validated(version: str) -> bool:
 @functools.cache
 def gluon_kernel(name: str = "gluon", wide: bool = False):
     """The Gluon entry kernel of a family: ``"gluon"`` the warp-specialized ``sm90_ws.moe_gemm_ws_kernel``,
+    ``"gluon_ws8"`` ``sm90_ws8.moe_gemm_ws8_kernel``,
     ``"gluon_small"`` ``sm90_small.moe_gemm_small_kernel`` or, ``wide``, ``sm90_wide.moe_gemm_wide_kernel``; None
     without Gluon."""
     try:
         if name == "gluon":
             from .sm90_ws import moe_gemm_ws_kernel as kernel
+        elif name == "gluon_ws8":
+            from .sm90_ws8 import moe_gemm_ws8_kernel as kernel
         elif wide:
             from .sm90_wide import moe_gemm_wide_kernel as kernel
         else:
@@ -327,6 +338,24 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
 
 
+WS8_MAX_CHAIN_K = 4096  # W4A8 prefill: the longest FP8 accumulator chain SPEC §5 allows
+
+
+def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
+    """The W4A8 prefill kernel (``sm90_ws8``): 128-row route tiles where experts average more than 64 rows, else 64;
+    as many 128-K stages as fit 192 KB of shared memory (16 KB of weights and BT x 128 B of activations each); FP8
+    chains over all of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168) chains of that length on 64-row tiles."""
+    bt = 128 if tile_rows_for(rows, num_experts) >= 128 else 64
+    promote = 0
+    if k > WS8_MAX_CHAIN_K:
+        bt, promote = 64, WS8_MAX_CHAIN_K // 128
+    cfg = dict(block_rows=bt, block_m=256, block_k=128, num_warps=4, loader_regs=64, converter_regs=224,
+               promote=promote)
+    cfg.update(override)
+    cfg.setdefault("num_stages", (192 * 1024) // (16 * 1024 + cfg["block_rows"] * 128))
+    return GemmConfig(kernel="gluon_ws8", **cfg).validate(n, k, True, True)
+
+
 def _ws_config(rows, num_experts, n, k, fp8, override: dict, gemm1) -> GemmConfig:
     """The warp-specialized kernel: from 64-row tiles two MMA warpgroups on 128 weight rows (half the activation
     traffic; step 8); as many stages as fit in the 227 KiB of shared memory, up to 6."""
@@ -374,6 +403,8 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
         return _small_config(rows, num_experts, n, k, fp8, override, gemm1, sm_count)
     if kernel == "gluon":
         return _ws_config(rows, num_experts, n, k, fp8, override, gemm1)
+    if kernel == "gluon_ws8":
+        return _ws8_config(rows, num_experts, n, k, override)
     return _template_config(rows, num_experts, n, k, fp8, override)
 
 
@@ -382,6 +413,9 @@ def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
     at most 64 routed rows per program (each block's partial sums sit beside the accumulators), larger route tiles in
     sub-tiles; 128 K per stage where the scale words allow, 64 for GEMM1 at 64 rows under a cap of 200 registers and
     160 at 32 rows (perf-notes steps 13 and 15)."""
+    if cfg.kernel == "gluon_ws8":  # (its route pack, the small-tile kernel's form)
+        cfg = GemmConfig(block_rows=cfg.block_rows, block_m=64, block_k=64, num_warps=4, num_stages=4,
+                         kernel="gluon_small", scale_words=k % 128 == 0)
     bt = min(cfg.block_rows, 64)
     bk = 128 if k % 128 == 0 else cfg.block_k
     nreg = 0

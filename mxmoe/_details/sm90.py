@@ -51,11 +51,12 @@ def _ptxas() -> str:
 
 
 def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
-                 direct: bool = False, out_i64: bool = False, pdl: bool = True, fold: bool = True):
+                 direct: bool = False, out_i64: bool = False, pdl: bool = True, fold: bool = True, k: int = 4096):
     """``triton.compile`` the GEMM template (``cfg.kernel``: plain Triton or Gluon) for sm_90a; ``direct``: the
     small-tile kernel without a route pack (``launch.direct_routes``), with an expert map; ``out_i64``: the Gluon
     kernels' 64-bit output offsets (outputs of 2**31 elements or more); ``pdl``: the small-tile kernel as launched
-    with programmatic dependent launch (the launch's default on sm90)."""
+    with programmatic dependent launch (the launch's default on sm90); ``k``: the GEMM's K, where the kernel
+    specializes on it (the W4A8 prefill kernel's K tail)."""
     a_ty = "*fp8e4nv" if fp8 else "*bf16"
     out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
     sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32",
@@ -68,6 +69,15 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
     if cfg.kernel == "triton":
         kernel, source = moe_gemm_kernel, ASTSource
         const.update(PURE=False)
+    elif cfg.kernel == "gluon_ws8":  # W4A8 prefill: K_TAIL from the shape's K (``k``), as the launch gives them
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from .config import gluon_kernel
+        kernel, source = gluon_kernel(cfg.kernel), GluonASTSource
+        del const["FP8"], const["BM"]
+        const.update(OUT_I64=out_i64, K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, W_UNIT=row_block_unit(k),
+                     PRODUCER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.converter_regs)
+        sig.update(fold_ptr="*i32")
     else:
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -91,7 +101,8 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
     if cfg.kernel != "triton":  # the arguments in bundles (``config.ARG_BUNDLES``, as the launch passes them)
         from .config import ARG_BUNDLES, SMALL_ARG_BUNDLES
 
-        bundles = dict(ARG_BUNDLES, **(SMALL_ARG_BUNDLES if "fold_ptr" in sig else {}))
+        bundles = dict(ARG_BUNDLES, **(SMALL_ARG_BUNDLES if "ids_ptr" in sig else
+                                       {"fold_ptr": ("fold_ptr", )} if "fold_ptr" in sig else {}))
         flat = sig
         sig = {b: flat[names[0]] if b == "fold_ptr" else tuple(flat[n] for n in names) for b, names in bundles.items()}
         attrs = {((i, j) if b != "fold_ptr" else (i, )): [["tt.divisibility", 16]]
@@ -247,22 +258,28 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), g
     cases += [("gluon_small", small_rows[-1], False, dict(out_i64=True, pdl=False), False)]
     if unfolded:
         cases += [("gluon_small", r, True, dict(fold=False), False) for r in small_rows[:-1]]
+    # the W4A8 prefill kernel: 64- and 128-row route tiles, the tests' 1024-K chains, gpt-oss's K tail (H = I = 2880)
+    cases += [("gluon_ws8", r, True, {}, False) for r in small_rows[-2:]]
+    cases += [("gluon_ws8", small_rows[-1], True, dict(block_rows=64, promote=8), False)]
+    cases += [("gluon_ws8", small_rows[-1], True, dict(hidden=2880, intermediate=2880), False)]
     out = []
     for kernel, r, fp8, override, direct in cases:
         override = dict(override)
         inter = override.pop("intermediate", I)
+        hidden = override.pop("hidden", H)
         compile_kw = {key: override.pop(key) for key in ("out_i64", "pdl", "fold") if key in override}
-        gemm2_only = "sub_tiles" in override or inter != I or ("out_i64" in compile_kw)
+        gemm2_only = kernel != "gluon_ws8" and ("sub_tiles" in override or inter != I or ("out_i64" in compile_kw))
         for gemm1 in ((True, ) if "k_parts" in override else (False, ) if gemm2_only else (True, False)):
-            n, k = (inter, H) if gemm1 else (H, inter)
+            n, k = (inter, hidden) if gemm1 else (hidden, inter)
             # the direct decode case as launched: GEMM1 with the K split of a one-token grid
             cfg = gemm_config(r, E, n, k, fp8, override, kernel=kernel, gemm1=gemm1, sm_count=132 if direct else 0)
             if compile_kw.get("fold") is False:  # as the launch gives it to the exact kernel
                 cfg = unfolded_config(cfg, gemm1, k)
             knobs = ",".join(f"{key}={v}" for key, v in sorted({**override, **compile_kw}.items()))
             name = (f"{kernel}-{r}-{'g1' if gemm1 else 'g2'}-{'fp8' if fp8 else 'bf16'}" + ("-direct" if direct else "")
-                    + (f"-I{inter}" if inter != I else "") + (f"-{knobs}" if knobs else ""))
-            out.append((name, gemm1, fp8, cfg, dict(compile_kw, direct=direct)))
+                    + (f"-I{inter}" if inter != I else "") + (f"-H{hidden}" if hidden != H else "")
+                    + (f"-{knobs}" if knobs else ""))
+            out.append((name, gemm1, fp8, cfg, dict(compile_kw, direct=direct, k=k)))
     return out
 
 
@@ -271,7 +288,7 @@ def default_reports(**shape) -> list:
     out = []
     for name, gemm1, fp8, cfg, compile_kw in default_cases(**shape):
         rep = report(compile_gemm(gemm1, fp8, cfg, **compile_kw))
-        out.append(dict(case=name, kernel=cfg.kernel, fp8=fp8, gemm1=gemm1, direct=compile_kw["direct"],
+        out.append(dict(case=name, kernel=cfg.kernel, fp8=fp8, gemm1=gemm1, direct=compile_kw["direct"], k=compile_kw["k"],
                         config=cfg.__dict__, registers=rep.registers,
                         spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
                         async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized,

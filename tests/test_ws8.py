@@ -1,0 +1,108 @@
+"""The W4A8 prefill kernel (``_details/sm90_ws8.py``: a producer and two consumer warpgroups): its configs on the
+CPU; on the GPU, bit-identity against the small-tile kernel with the same FP8 chains and SPEC §5's GEMM bounds (the
+default chains over all of K, the tests' 1024-K chains), the reference shape and gpt-oss's (K tails of 2880)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxmoe._details.config import GemmConfig, gemm_config, unfolded_config
+
+WS8 = {"kernel": "gluon_ws8"}
+
+
+def test_config_route_tiles_stages_and_chains():
+    ref = gemm_config(65536, 288, 1024, 4096, True, WS8, gemm1=True)
+    assert (ref.kernel, ref.block_rows, ref.block_m, ref.block_k, ref.promote) == ("gluon_ws8", 128, 256, 128, 0)
+    assert ref.num_stages == 6  # 6 x (16 KB of weights + 16 KB of activations) <= 192 KB
+    small = gemm_config(8192, 288, 1024, 4096, True, WS8, gemm1=True)  # 28 rows per expert: 64-row tiles
+    assert small.block_rows == 64 and small.num_stages == 8
+    oss = gemm_config(32768, 128, 2880, 2880, True, WS8, gemm1=False)  # K tail of 64, N % 256 != 0
+    assert oss.block_rows == 128 and oss.promote == 0
+    long_k = gemm_config(65536, 256, 2048, 7168, True, WS8, gemm1=True)  # past 4096 K: chains of 4096 K
+    assert long_k.block_rows == 64 and long_k.promote * long_k.block_k == 4096
+    tests = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_rows=64, promote=8), gemm1=True)
+    assert tests.promote == 8
+
+
+@pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64)])
+def test_config_refuses_what_the_kernel_cannot_run(bad):
+    with pytest.raises(ValueError):
+        gemm_config(65536, 288, 1024, 4096, True, dict(WS8, **bad), gemm1=True)
+    with pytest.raises(ValueError, match="W4A8"):
+        GemmConfig(128, 256, 128, 4, 6, kernel="gluon_ws8").validate(1024, 4096, True, False)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        GemmConfig(128, 256, 128, 4, 6, kernel="gluon_ws8").validate(1024, 4000, True, True)
+
+
+def test_unfolded_experts_take_the_small_tile_kernel_on_the_same_pack():
+    cfg = gemm_config(65536, 288, 1024, 4096, True, WS8, gemm1=True)
+    exact = unfolded_config(cfg, True, 4096)
+    assert exact.kernel == "gluon_small" and exact.block_m == 64 and exact.promote == 0
+    assert exact.block_rows * exact.sub_tiles == cfg.block_rows  # the same route tiles, in 64-row sub-tiles
+
+
+# ----------------------------------------------------------------------------------------------------------- GPU
+
+
+def _case(E, H, I, top_k, T, scales="normal", seed=3):
+    from mxmoe import testing
+
+    ex = testing.make_experts(E, H, I, seed=seed, device="cuda", gen_device="cuda", scales=scales, biases=True)[0]
+    g = torch.Generator(device="cuda").manual_seed(T)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:top_k] for _ in range(T)]).int()
+    drop = torch.rand(T, top_k, device="cuda", generator=g)
+    ids[drop < 0.05] = -1
+    ids[(drop >= 0.05) & (drop < 0.08)] = E + 3
+    ids[T // 3] = -1  # a token with every route masked
+    w = torch.rand(T, top_k, device="cuda", generator=g)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    return ex, x, w, ids
+
+
+def _call(ex, x, w, ids, variant):
+    import mxmoe
+    from mxmoe._details.config import overrides
+
+    out = torch.full_like(x, float("nan"))
+    with overrides(gemm=variant):
+        mxmoe.fused_moe(x, ex, w, ids, precision="w4a8", activation="swigluoai", out=out)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,T", [((288, 4096, 1024, 8), 1024), ((288, 4096, 1024, 8), 4096),
+                                     ((128, 2880, 2880, 4), 2048), ((32, 2880, 2880, 4), 1500)])
+@pytest.mark.parametrize("scales", ["normal", "zero_bytes"])
+def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
+    """Both GEMMs on the new kernel and on the small-tile kernel, on the same route tiles and FP8 chains (64-row tiles:
+    1024 K; 128-row tiles: all of K), masked routes, biases, swigluoai; ``zero_bytes``: some experts do not fold and
+    take the exact unfolded kernel beside it. Every element written, the same bits; a second run the same."""
+    from mxmoe.accuracy import bitwise_equal
+
+    ex, x, w, ids = _case(*shape, T, scales)
+    for small, new in (({"block_rows": 64}, dict(WS8, block_rows=64, promote=8)),
+                       ({"block_rows": 128, "promote": 0}, dict(WS8, block_rows=128))):
+        want = _call(ex, x, w, ids, small)
+        got = _call(ex, x, w, ids, new)
+        assert not bool(got.isnan().any())
+        assert bitwise_equal(got, want), (small, float((got.float() - want.float()).abs().max()))
+        assert bitwise_equal(_call(ex, x, w, ids, new), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,T", [((288, 4096, 1024, 8), 2048), ((128, 2880, 2880, 4), 2048)])
+def test_gemm_level_bounds(shape, T):
+    """SPEC §5: each GEMM vs float64 of the same E4M3 operands <= 1.2e-2 as the kernel runs by default (chains over
+    all of K), <= 1.5e-3 with chains cut to 1024 K (the bound that finds a wrong scale, block or route)."""
+    from mxmoe import accuracy, testing
+    from mxmoe._details.config import overrides
+
+    E, H, I, top_k = shape
+    ex = testing.make_experts(E, H, I, seed=0, device="cuda", gen_device="cuda", zero_up=True)[0]
+    _, x, w, ids = _case(*shape, T)
+    for variant, bound in ((WS8, 1.2e-2), (dict(WS8, block_rows=64, promote=8), 1.5e-3)):
+        with overrides(gemm=variant):
+            m, checks = accuracy.gemm_level(x, ex, w, ids)
+        assert all(checks.values()), checks
+        assert m["w4a8_gemm1_vs_f64"] <= bound and m["w4a8_gemm2_vs_f64"] <= bound, (variant, m)
