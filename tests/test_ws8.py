@@ -82,7 +82,7 @@ def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
 
     ex, x, w, ids = _case(*shape, T, scales)
     for small, new in (({"block_rows": 64}, dict(WS8, block_rows=64, promote=8)),
-                       ({"block_rows": 128, "promote": 0}, dict(WS8, block_rows=128))):
+                       ({"block_rows": 128, "promote": 0, "promote_smem": False}, dict(WS8, block_rows=128))):
         want = _call(ex, x, w, ids, small)
         got = _call(ex, x, w, ids, new)
         assert not bool(got.isnan().any())
@@ -106,3 +106,33 @@ def test_gemm_level_bounds(shape, T):
             m, checks = accuracy.gemm_level(x, ex, w, ids)
         assert all(checks.values()), checks
         assert m["w4a8_gemm1_vs_f64"] <= bound and m["w4a8_gemm2_vs_f64"] <= bound, (variant, m)
+
+
+@pytest.mark.parametrize("shape,tokens,expected", [
+    ((288, 4096, 1024, 8), 2048, (False, False)),   # 57 rows per expert: the small kernel (ws8 measured 15-20 % slower)
+    ((288, 4096, 1024, 8), 8192, (True, False)),    # GEMM1 on 128-row tiles; GEMM2's K = 1024: the small kernel
+    ((128, 2880, 2880, 4), 1024, (True, True)),     # K % 128 != 0 from 32 rows per expert
+    ((128, 2880, 2880, 4), 512, (False, False)),
+    ((256, 7168, 2048, 8), 8192, (False, True)),    # K past 4096: not measured
+])
+def test_w4a8_prefill_choice(shape, tokens, expected):
+    from mxmoe._details.config import w4a8_prefill
+
+    E, H, I, top_k = shape
+    assert (w4a8_prefill(tokens * top_k, E, H), w4a8_prefill(tokens * top_k, E, I)) == expected
+
+
+def test_a_small_tile_gemm_takes_the_prefill_kernels_route_tiles(monkeypatch):
+    """GEMM1 on the prefill kernel, GEMM2 on the small-tile kernel: both read one route pack, so the small kernel runs
+    on the prefill kernel's tile height where its own choice differs."""
+    from types import SimpleNamespace
+
+    from mxmoe._details import launch
+
+    experts = SimpleNamespace(num_experts=288, hidden_size=4096, intermediate_size=1024)
+    x = torch.zeros(4, 4096, dtype=torch.bfloat16)
+    for rows, bt in ((288 * 32, 64), (288 * 60, 64), (288 * 100, 128)):
+        monkeypatch.setattr(launch, "kernel_choice", lambda *a, gemm1=True, **k: "gluon_ws8" if gemm1 else "gluon_small")
+        cfg1, cfg2 = launch._configs(x, experts, rows, True)
+        assert (cfg1.kernel, cfg2.kernel) == ("gluon_ws8", "gluon_small")
+        assert cfg1.block_rows == bt and cfg2.block_rows * cfg2.sub_tiles == bt

@@ -159,18 +159,37 @@ def pdl_launch(device: torch.device, kernel_arg: bool = True) -> dict:
 # ------------------------------------------------------------------------------------------------ kernel choice
 
 
+WS8_MAX_CHAIN_K = 4096  # W4A8 prefill: the longest FP8 accumulator chain SPEC §5 allows
+
+
+def w4a8_prefill(rows: int, num_experts: int, k: int) -> bool:
+    """Whether a W4A8 GEMM of reduction length ``k`` runs the warp-specialized prefill kernel (``sm90_ws8``) rather
+    than the small-tile kernel, where it measured faster (H100, perf-notes step 36): K % 128 != 0 (gpt-oss's 2880: the
+    small kernel's 64-K stages) from 32 routed rows per expert (-8 to -29 % on the call); K % 128 == 0 on 128-row
+    route tiles (over 64 rows per expert) and K >= 2048 (the reference shape's GEMM1: -10 to -15 %; its GEMM2, K =
+    1024, is 7-30 % slower on it, and GEMM1 on 64-row tiles 15 % slower). K past ``WS8_MAX_CHAIN_K``: not measured,
+    the small kernel."""
+    per_expert = rows / max(num_experts, 1)
+    if k <= 0 or k > WS8_MAX_CHAIN_K:
+        return False
+    if k % 128:
+        return per_expert >= 32
+    return per_expert > 64 and k >= 2048
+
+
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
-                  shapes_ok: bool = True, gemm1: bool = True, n: int = 0) -> str:
+                  shapes_ok: bool = True, gemm1: bool = True, n: int = 0, k: int = 0) -> str:
     """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of GEMM1 (``gemm1``) or
     GEMM2 (``n`` output columns) on CUDA.
 
     ``auto`` runs Gluon kernels on sm90 where they measured fastest on the H200 (perf-notes steps 10, 11, 14): the
     small-tile ``moe_gemm_small_kernel`` for every GEMM, except W4A16 GEMM2 on 128-row route tiles (prefill) where its
-    two-block form cannot run (``n % 128 != 0``): there the warp-specialized ``moe_gemm_ws_kernel``; the plain
+    two-block form cannot run (``n % 128 != 0``): there the warp-specialized ``moe_gemm_ws_kernel``; W4A8 prefill
+    (:func:`w4a8_prefill`; ``k`` the GEMM's K) the warp-specialized ``moe_gemm_ws8_kernel``; the plain
     template for shapes the Gluon kernels do not take (``shapes_ok``). Gluon's API moves between Triton releases, so
     ``auto`` takes it only on the Triton it was validated on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon``
     forces it on any. The interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon"``
-    (warp-specialized) or ``"gluon_small"``.
+    (warp-specialized W4A16), ``"gluon_ws8"`` or ``"gluon_small"``.
     """
     choice = env_get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
@@ -180,6 +199,8 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and gluon_kernel() is not None
     prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and not gemm2_pair_fits(n)
     gluon = "gluon" if prefill_gemm2 else "gluon_small"
+    if fp8 and w4a8_prefill(rows, num_experts, k):
+        gluon = "gluon_ws8"
     if choice == "gluon":
         if not hopper:
             raise ValueError("MXMOE_KERNEL=gluon needs an sm90 (Hopper) GPU and a Triton with Gluon")
@@ -336,9 +357,6 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     if "split_loop" not in override:
         cfg["split_loop"] = _split_loop(cfg, k, fp8)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
-
-
-WS8_MAX_CHAIN_K = 4096  # W4A8 prefill: the longest FP8 accumulator chain SPEC §5 allows
 
 
 def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:

@@ -220,10 +220,19 @@ def _configs(x, experts: PreparedExperts, routes: int, fp8: bool) -> tuple[GemmC
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
     sms = _sm_count(x.device) if x.device.type == "cuda" else 0
     changes = current_overrides()
-    cfg1 = gemm_config(routes, E, I, H, fp8, changes.gemm1,
-                       kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=True), gemm1=True, sm_count=sms)
-    cfg2 = gemm_config(routes, E, H, I, fp8, changes.gemm2,
-                       kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=False, n=H), gemm1=False)
+    kernels = (kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=True, k=H),
+               kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=False, n=H, k=I))
+    cfg1 = gemm_config(routes, E, I, H, fp8, changes.gemm1, kernels[0], gemm1=True, sm_count=sms)
+    cfg2 = gemm_config(routes, E, H, I, fp8, changes.gemm2, kernels[1], gemm1=False)
+    if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
+        ws8, other = (cfg1, cfg2) if cfg1.kernel == "gluon_ws8" else (cfg2, cfg1)
+        if other.block_rows * other.sub_tiles != ws8.block_rows:
+            pinned = dict(block_rows=ws8.block_rows, sub_tiles=1)
+            if other is cfg2:
+                cfg2 = gemm_config(routes, E, H, I, fp8, {**pinned, **changes.gemm2}, kernels[1], gemm1=False)
+            else:
+                cfg1 = gemm_config(routes, E, I, H, fp8, {**pinned, **changes.gemm1}, kernels[0], gemm1=True,
+                                   sm_count=sms)
     assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
     return cfg1, cfg2
 
