@@ -74,7 +74,7 @@ if "check" in stages:
                 ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
                 kw = dict(activation="swigluoai")
                 for bt, small, new in ((64, {"block_rows": 64}, dict(WS8, block_rows=64, promote=8)),
-                                       (128, {"block_rows": 128, "promote": 0, "promote_smem": False},
+                                       (128, {"kernel": "gluon_small", "block_rows": 128, "promote": 0, "promote_smem": False},
                                         dict(WS8, block_rows=128))):
                     a = call(x, ex, w, ids, "w4a8", ws, small, **kw)
                     b = call(x, ex, w, ids, "w4a8", ws, new, **kw)
@@ -97,7 +97,7 @@ if "acc" in stages:
             ids, w = routing(T, E, top_k, seed=7, masked=True)
             x = torch.randn(T, H, device="cuda").bfloat16()
             for label, v in (("default", WS8), ("1024-K chains", dict(WS8, block_rows=64, promote=8)),
-                             ("small kernel", {})):
+                             ("small kernel", {"kernel": "gluon_small"})):
                 with overrides(gemm=v):
                     m, checks = accuracy.gemm_level(x, ex0, w, ids)
                 emit(dict(stage="acc", shape=name, T=T, variant=label, **m, checks=checks),
@@ -106,7 +106,7 @@ if "acc" in stages:
             exact = reference.fused_moe_reference(x, ex, w, ids, mode="exact")
             emu = reference.fused_moe_reference(x, ex, w, ids, mode="w4a8")
             a16 = call(x, ex, w, ids, "w4a16", None, {})
-            for label, v in (("default", WS8), ("small kernel", {})):
+            for label, v in (("default", WS8), ("small kernel", {"kernel": "gluon_small"})):
                 out = call(x, ex, w, ids, "w4a8", None, v)
                 m = accuracy.w4a8_layer_metrics(out, emu, exact)
                 d16 = mxmoe.relative_l2(out, a16)
@@ -123,7 +123,8 @@ if "time" in stages:
             x = torch.randn(T, H, device="cuda").bfloat16()
             ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
             out = torch.empty_like(x)
-            arms = {"w4a16": ("w4a16", {}), "w4a8 small": ("w4a8", {}), "w4a8 ws8": ("w4a8", WS8)}
+            arms = {"w4a16": ("w4a16", {}), "w4a8 small": ("w4a8", {"kernel": "gluon_small"}), "w4a8 ws8": ("w4a8", WS8),
+                    "w4a8 default": ("w4a8", {})}
             for i, v in enumerate(extra):
                 arms[f"w4a8 {json.dumps(v)}"] = ("w4a8", v)
             fns = {}
@@ -150,7 +151,7 @@ if "time" in stages:
             x = torch.randn(T, H, device="cuda").bfloat16()
             ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
             out = torch.empty_like(x)
-            for label, v in (("small", {}), ("ws8", WS8)):
+            for label, v in (("small", {"kernel": "gluon_small"}), ("ws8", WS8)):
                 with overrides(gemm=v):
                     ks = kernel_times(lambda: run(x, ex, w, ids, "w4a8", out, ws))
                 emit(dict(stage="kernels", shape=name, T=T, arm=label, kernels=ks),

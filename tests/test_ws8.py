@@ -81,8 +81,9 @@ def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
     from mxmoe.accuracy import bitwise_equal
 
     ex, x, w, ids = _case(*shape, T, scales)
-    for small, new in (({"block_rows": 64}, dict(WS8, block_rows=64, promote=8)),
-                       ({"block_rows": 128, "promote": 0, "promote_smem": False}, dict(WS8, block_rows=128))):
+    for small, new in (({"kernel": "gluon_small", "block_rows": 64}, dict(WS8, block_rows=64, promote=8)),
+                       ({"kernel": "gluon_small", "block_rows": 128, "promote": 0, "promote_smem": False},
+                        dict(WS8, block_rows=128))):
         want = _call(ex, x, w, ids, small)
         got = _call(ex, x, w, ids, new)
         assert not bool(got.isnan().any())
