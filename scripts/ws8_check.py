@@ -127,13 +127,20 @@ if "time" in stages:
                     "w4a8 default": ("w4a8", {})}
             for i, v in enumerate(extra):
                 arms[f"w4a8 {json.dumps(v)}"] = ("w4a8", v)
-            fns = {}
+            fns, results = {}, {}
             for label, (prec, v) in arms.items():
                 def fn(prec=prec, v=v):
                     with overrides(gemm=v):
                         run(x, ex, w, ids, prec, out, ws)
                 fn()
+                torch.cuda.synchronize()
+                results[label] = out.clone()
                 fns[label] = fn
+            for label in list(arms)[4:]:  # the extra variants: the same bits as the default kernel's?
+                emit(dict(stage="variant_bits", shape=name, T=T, arm=label,
+                          bitwise=accuracy.bitwise_equal(results[label], results["w4a8 ws8"])),
+                     f"bits {name} T={T} {label}: bitwise vs w4a8 ws8 "
+                     f"{accuracy.bitwise_equal(results[label], results['w4a8 ws8'])}")
             times = {label: [] for label in arms}
             for order in round_orders(list(arms), 4):
                 for label in order:

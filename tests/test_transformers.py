@@ -94,9 +94,11 @@ def checkpoint(tmp_path_factory):
 
 
 def load_model(path, device):
-    """transformers' own model from the checkpoint (experts dequantized to BF16)."""
+    """transformers' own model from the checkpoint, experts dequantized to BF16 (asked for: where the ``kernels``
+    package is installed, transformers would otherwise fetch its MXFP4 kernels from the hub)."""
     transformers.logging.set_verbosity_error()
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True)).to(device).eval()
 
 
 # ------------------------------------------------------------------------------------------------ loading
