@@ -114,55 +114,53 @@ if "acc" in stages:
                           **{k: v for k, v in m.items()}),
                      f"layer {name} T={T} {label}: {accuracy.describe_w4a8(m)}; vs W4A16 {100 * d16:.3f}%")
 
-if "time" in stages:
+def timing_problems():
+    """``(shape name, T, experts, ids, weights, x, workspace, out)`` of the timings, experts made once per shape."""
     for name in shapes:
         E, H, I, top_k = SHAPES[name]
         ex = testing.make_experts(E, H, I, seed=0, device="cuda", gen_device="cuda")[0]
         for T in tokens:
             ids, w = routing(T, E, top_k, seed=T, masked=False)
             x = torch.randn(T, H, device="cuda").bfloat16()
-            ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
-            out = torch.empty_like(x)
-            arms = {"w4a16": ("w4a16", {}), "w4a8 small": ("w4a8", {"kernel": "gluon_small"}), "w4a8 ws8": ("w4a8", WS8),
-                    "w4a8 default": ("w4a8", {})}
-            for i, v in enumerate(extra):
-                arms[f"w4a8 {json.dumps(v)}"] = ("w4a8", v)
-            fns, results = {}, {}
-            for label, (prec, v) in arms.items():
-                def fn(prec=prec, v=v):
-                    with overrides(gemm=v):
-                        run(x, ex, w, ids, prec, out, ws)
-                fn()
-                torch.cuda.synchronize()
-                results[label] = out.clone()
-                fns[label] = fn
-            for label in list(arms)[4:]:  # the extra variants: the same bits as the default kernel's?
-                emit(dict(stage="variant_bits", shape=name, T=T, arm=label,
-                          bitwise=accuracy.bitwise_equal(results[label], results["w4a8 ws8"])),
-                     f"bits {name} T={T} {label}: bitwise vs w4a8 ws8 "
-                     f"{accuracy.bitwise_equal(results[label], results['w4a8 ws8'])}")
-            times = {label: [] for label in arms}
-            for order in round_orders(list(arms), 4):
-                for label in order:
-                    times[label].append(median(cuda_event_sampler(fns[label], 20)))
-            base = statistics.median(times["w4a8 small"])
-            for label in arms:
-                ms = statistics.median(times[label])
-                emit(dict(stage="time", shape=name, T=T, arm=label, ms=ms),
-                     f"time {name} T={T} {label}: {ms:.3f} ms ({100 * (ms / base - 1):+.1f} % vs w4a8 small)")
-    for name in shapes:  # kernel times last: the profiler slows later launches
-        E, H, I, top_k = SHAPES[name]
-        ex = testing.make_experts(E, H, I, seed=0, device="cuda", gen_device="cuda")[0]
-        for T in tokens:
-            ids, w = routing(T, E, top_k, seed=T, masked=False)
-            x = torch.randn(T, H, device="cuda").bfloat16()
-            ws = mxmoe.Workspace(ex, T, top_k, fp8=True)
-            out = torch.empty_like(x)
-            for label, v in (("small", {"kernel": "gluon_small"}), ("ws8", WS8)):
+            yield name, T, ex, ids, w, x, mxmoe.Workspace(ex, T, top_k, fp8=True), torch.empty_like(x)
+
+
+if "time" in stages:
+    problems = list(timing_problems())
+    for name, T, ex, ids, w, x, ws, out in problems:
+        arms = {"w4a16": ("w4a16", {}), "w4a8 small": ("w4a8", {"kernel": "gluon_small"}), "w4a8 ws8": ("w4a8", WS8),
+                "w4a8 default": ("w4a8", {})}
+        for v in extra:
+            arms[f"w4a8 {json.dumps(v)}"] = ("w4a8", v)
+        fns, results = {}, {}
+        for label, (prec, v) in arms.items():
+            def fn(prec=prec, v=v):
                 with overrides(gemm=v):
-                    ks = kernel_times(lambda: run(x, ex, w, ids, "w4a8", out, ws))
-                emit(dict(stage="kernels", shape=name, T=T, arm=label, kernels=ks),
-                     f"kernels {name} T={T} {label}: " + " ".join(f"{n.split('(')[0][-24:]}={d:.0f}" for n, d in ks))
+                    run(x, ex, w, ids, prec, out, ws)
+            fn()
+            torch.cuda.synchronize()
+            results[label] = out.clone()
+            fns[label] = fn
+        for label in list(arms)[4:]:  # the extra variants: the same bits as the default kernel's?
+            emit(dict(stage="variant_bits", shape=name, T=T, arm=label,
+                      bitwise=accuracy.bitwise_equal(results[label], results["w4a8 ws8"])),
+                 f"bits {name} T={T} {label}: bitwise vs w4a8 ws8 "
+                 f"{accuracy.bitwise_equal(results[label], results['w4a8 ws8'])}")
+        times = {label: [] for label in arms}
+        for order in round_orders(list(arms), 4):
+            for label in order:
+                times[label].append(median(cuda_event_sampler(fns[label], 20)))
+        base = statistics.median(times["w4a8 small"])
+        for label in arms:
+            ms = statistics.median(times[label])
+            emit(dict(stage="time", shape=name, T=T, arm=label, ms=ms),
+                 f"time {name} T={T} {label}: {ms:.3f} ms ({100 * (ms / base - 1):+.1f} % vs w4a8 small)")
+    for name, T, ex, ids, w, x, ws, out in problems:  # kernel times last: the profiler slows later launches
+        for label, v in (("small", {"kernel": "gluon_small"}), ("ws8", WS8)):
+            with overrides(gemm=v):
+                ks = kernel_times(lambda: run(x, ex, w, ids, "w4a8", out, ws))
+            emit(dict(stage="kernels", shape=name, T=T, arm=label, kernels=ks),
+                 f"kernels {name} T={T} {label}: " + " ".join(f"{n.split('(')[0][-24:]}={d:.0f}" for n, d in ks))
 
 with open(os.path.join(OUT, "ws8_check.json"), "w") as f:
     json.dump(rows, f, indent=1, default=str)
