@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mxmoe",
         description="Fused MXFP4 (E2M1-K32) MoE kernels for NVIDIA Hopper: numerical checks and benchmarks.")
-    sub = parser.add_subparsers(dest="command", metavar="{check,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,bench,tune}")
 
     c = sub.add_parser(
         "check", help="synthetic numerical checks of W4A16 and W4A8 against the PyTorch references",
@@ -97,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape = b.add_mutually_exclusive_group()
     shape.add_argument("--shape", type=_arg_type(bench.parse_shape, "shape"), metavar="E,H,I,TOPK",
                        help="problem shape (default: the reference shape 288,4096,1024,8)")
-    shape.add_argument("--preset", choices=sorted(bench.PRESETS), help="ref: E=288,H=4096,I=1024,top_k=8; "
-                       "ktail: 128,2880,2880,4; deepseek: 256,7168,2048,8")
+    shape.add_argument("--preset", choices=sorted(bench.PRESETS), help=bench.PRESET_HELP)
     b.add_argument("--tokens", type=_arg_type(bench.parse_tokens, "token list"), default=bench.DEFAULT_TOKENS,
                    metavar="T,...", help="token counts (default %s)" % ",".join(map(str, bench.DEFAULT_TOKENS)))
     b.add_argument("--arms", type=_arg_type(_choices(bench.ARM_NAMES, "arm(s)"), "arm list"), default=None,
@@ -115,7 +114,44 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_path", metavar="PATH", help="write every sample and the environment")
     b.add_argument("--plot", dest="plot_path", metavar="PATH.png",
                    help="log-log time vs T per arm with the floor, and the W4A8-over-W4A16 speedup (matplotlib)")
+
+    t = sub.add_parser(
+        "tune", help="measure tile configs for a shape on this GPU and write a tuned table",
+        description="Time the call as the library runs it and candidate tile configs that change speed only (route "
+                    "tile height, pipeline stages, K loop form, weight-block pairing) per path and token bucket; "
+                    "keep a candidate only if its output is bitwise the default's; write the buckets where one won "
+                    "into a JSON table. Point MXMOE_TUNED_CONFIGS at it to use it (it wins over the shipped tables).")
+    tshape = t.add_mutually_exclusive_group(required=True)
+    tshape.add_argument("--shape", type=_arg_type(bench.parse_shape, "shape"), metavar="E,H,I,TOPK")
+    tshape.add_argument("--preset", choices=sorted(bench.PRESETS), help=bench.PRESET_HELP)
+    t.add_argument("--tokens", type=_arg_type(_buckets, "token buckets"), default=None, metavar="T,...",
+                   help="token buckets to tune (default: every bucket for w4a16, from 1024 for w4a8)")
+    t.add_argument("--precision", type=_arg_type(_choices(PATHS, "precision"), "precision list"),
+                   default=PATHS, metavar="P,...", help="w4a16, w4a8 or both (default)")
+    t.add_argument("--out", default="mxmoe-tuned.json", metavar="PATH",
+                   help="the table to write (merged into it if it exists; default mxmoe-tuned.json)")
+    t.add_argument("--samples", type=_arg_type(_positive, "count"), default=25, help="CUDA-event samples (25)")
+    t.add_argument("--device", default="auto", help="auto, cuda or cuda:N")
     return parser
+
+
+def _buckets(text: str) -> tuple:
+    from ._details.tuned import TOKEN_BUCKETS
+
+    tokens = bench.parse_tokens(text)
+    wrong = [t for t in tokens if t not in TOKEN_BUCKETS]
+    if wrong:
+        raise ValueError(f"{', '.join(map(str, wrong))} not a token bucket; the buckets: "
+                         f"{', '.join(map(str, TOKEN_BUCKETS))}")
+    return tokens
+
+
+def _cmd_tune(args, parser) -> int:
+    from .tune import run_tune
+
+    device = _device(args.device, parser)
+    shape = args.shape or bench.PRESETS[args.preset]
+    return run_tune(shape, device, args.precision, args.tokens, args.out, samples=args.samples)
 
 
 def _cmd_check(args, parser) -> int:
@@ -170,6 +206,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "check":
             return _cmd_check(args, sub)
+        if args.command == "tune":
+            return _cmd_tune(args, sub)
         return _cmd_bench(args, sub)
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -178,6 +178,19 @@ def parse(*argv):
     return build_parser().parse_args(list(argv))
 
 
+def test_tune_arguments(capsys):
+    a = parse("tune", "--preset", "gpt-oss-20b", "--tokens", "1,64", "--precision", "w4a16", "--out", "t.json")
+    assert (a.preset, a.tokens, a.precision, a.out) == ("gpt-oss-20b", (1, 64), ("w4a16",), "t.json")
+    assert parse("tune", "--shape", "32,2880,2880,4").tokens is None  # every bucket of each path
+    with pytest.raises(SystemExit):
+        parse("tune", "--preset", "ref", "--tokens", "3")
+    assert "not a token bucket" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("tune")  # a shape is required
+    assert main(["tune", "--preset", "ref", "--device", "cpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
 def test_bench_defaults():
     a = parse("bench")
     assert a.shape is None and a.preset is None and a.tokens == (1, 16, 64, 1024, 2048, 4096, 8192)
@@ -188,7 +201,8 @@ def test_shape_preset_and_tokens():
     assert parse("bench", "--shape", "288,4096,1024,8").shape == bench.PRESETS["ref"]
     assert parse("bench", "--shape", " 128, 2880,2880 ,4").shape == bench.Shape(128, 2880, 2880, 4)
     assert parse("bench", "--preset", "deepseek").preset == "deepseek"
-    assert bench.PRESETS["ktail"] == bench.Shape(128, 2880, 2880, 4)
+    assert bench.PRESETS["ktail"] == bench.PRESETS["gpt-oss-120b"] == bench.Shape(128, 2880, 2880, 4)
+    assert bench.PRESETS["gpt-oss-20b"] == bench.Shape(32, 2880, 2880, 4)
     assert bench.PRESETS["deepseek"] == bench.Shape(256, 7168, 2048, 8)
     assert parse("bench", "--tokens", "4,4,1,8192").tokens == (4, 1, 8192)
     assert parse("bench", "--arms", "mxmoe-w4a16,mxmoe-w4a8").arms == ("mxmoe-w4a16", "mxmoe-w4a8")

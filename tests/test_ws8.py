@@ -134,6 +134,6 @@ def test_a_small_tile_gemm_takes_the_prefill_kernels_route_tiles(monkeypatch):
     x = torch.zeros(4, 4096, dtype=torch.bfloat16)
     for rows, bt in ((288 * 32, 64), (288 * 60, 64), (288 * 100, 128)):
         monkeypatch.setattr(launch, "kernel_choice", lambda *a, gemm1=True, **k: "gluon_ws8" if gemm1 else "gluon_small")
-        cfg1, cfg2 = launch._configs(x, experts, rows, True)
+        cfg1, cfg2 = launch._configs(x, experts, rows // 4, rows, True)
         assert (cfg1.kernel, cfg2.kernel) == ("gluon_ws8", "gluon_small")
         assert cfg1.block_rows == bt and cfg2.block_rows * cfg2.sub_tiles == bt

@@ -112,12 +112,14 @@ class Overrides:
     ``gemm1`` / ``gemm2``: :class:`GemmConfig` fields (and ``kernel``) set on top of what :func:`gemm_config` picks;
     ``pdl``: programmatic dependent launch on sm90 (off: every kernel waits for the previous one to finish, e.g. for
     tools that serialize launches anyway); ``direct_decode``: up to :data:`DIRECT_MAX_TOKENS` W4A16 tokens without a
-    route pack; ``direct_sum``: there, the top-k sum inside GEMM2 (else the top-k-sum kernel)."""
+    route pack; ``direct_sum``: there, the top-k sum inside GEMM2 (else the top-k-sum kernel); ``tuned``: the tuned
+    tables' fields under ``gemm1`` / ``gemm2`` (``tuned.lookup``; off: the heuristics alone, as the tuner measures)."""
     gemm1: Mapping = field(default_factory=dict)
     gemm2: Mapping = field(default_factory=dict)
     pdl: bool = True
     direct_decode: bool = True
     direct_sum: bool = True
+    tuned: bool = True
 
 
 DEFAULT_OVERRIDES = Overrides()  # (the launcher keeps launch plans only under these)

@@ -25,10 +25,10 @@ from ..prepare import PreparedExperts, expert_tensors, experts_from_tensors, row
 from ..routing import route_pack_capacity, route_pack_launches
 from ..selection import LayerPlan
 from ..workspace import default_plan, held_workspace, workspace_for
-from . import cdiv, env_get, interpreting, next_pow2  # (interpreter: plain-Triton forms, no inline asm)
+from . import cdiv, env_get, interpreting, next_pow2, tuned  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
-                     gemm_config, gluon_kernel, gluon_validated, kernel_choice, pdl_launch, small_kernel_constexprs,
-                     unfolded_config)
+                     gemm_config, gluon_kernel, gluon_validated, kernel_choice, pack_tile_heights, pdl_launch,
+                     small_kernel_constexprs, unfolded_config)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
 from .launch_plan import KernelLaunch, LaunchPlan, run_launches
@@ -213,8 +213,9 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: Lay
     return run_layer(x, weights, extras, all_fold, topk_weights, topk_ids, expert_map, out, plan, workspace)
 
 
-def _configs(x, experts: PreparedExperts, routes: int, fp8: bool) -> tuple[GemmConfig, GemmConfig]:
-    """Both GEMMs' configs (on one route pack) for ``routes`` routed rows."""
+def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) -> tuple[GemmConfig, GemmConfig]:
+    """Both GEMMs' configs (on one route pack) for ``routes`` routed rows of ``x``'s tokens: the tuned tables'
+    fields (``tuned``) under the current overrides."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     # the Gluon kernels: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
@@ -222,8 +223,13 @@ def _configs(x, experts: PreparedExperts, routes: int, fp8: bool) -> tuple[GemmC
     changes = current_overrides()
     kernels = (kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=True, k=H),
                kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=False, n=H, k=I))
-    cfg1 = gemm_config(routes, E, I, H, fp8, changes.gemm1, kernels[0], gemm1=True, sm_count=sms)
-    cfg2 = gemm_config(routes, E, H, I, fp8, changes.gemm2, kernels[1], gemm1=False)
+    table1, table2 = {}, {}
+    if changes.tuned and x.device.type == "cuda" and "gluon" in kernels[0] and "gluon" in kernels[1]:
+        table1, table2 = tuned.lookup(x.device, (E, H, I, top_k), "w4a8" if fp8 else "w4a16", x.shape[0])
+        if table1.get("block_rows", TILE_ROWS[0]) not in pack_tile_heights(routes, E):  # (what a workspace holds)
+            table1, table2 = ({k: v for k, v in t.items() if k != "block_rows"} for t in (table1, table2))
+    cfg1 = gemm_config(routes, E, I, H, fp8, {**table1, **changes.gemm1}, kernels[0], gemm1=True, sm_count=sms)
+    cfg2 = gemm_config(routes, E, H, I, fp8, {**table2, **changes.gemm2}, kernels[1], gemm1=False)
     if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
         ws8, other = (cfg1, cfg2) if cfg1.kernel == "gluon_ws8" else (cfg2, cfg1)
         if other.block_rows * other.sub_tiles != ws8.block_rows:
@@ -244,7 +250,7 @@ def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPla
     T, top_k = topk_ids.shape
     fp8, R = plan.fp8, T * top_k
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    cfg1, cfg2 = _configs(x, experts, R, fp8)
+    cfg1, cfg2 = _configs(x, experts, top_k, R, fp8)
     direct, launches = None, []
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
         n_global = E if expert_map is None else expert_map.numel()

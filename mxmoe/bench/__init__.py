@@ -42,14 +42,14 @@ from .. import check as checks, testing
 
 from . import arms
 from .arms import ARM_NAMES, Arm, HummingArm, HummingW4A8Arm, MxmoeArm, TorchGroupedMMArm, all_arms
-from .problem import (DEFAULT_TOKENS, GRAPH_MAX_ROWS, PRESETS, ROUNDS, SAMPLES, Inputs, Shape, _floor_ms,
+from .problem import (DEFAULT_TOKENS, GRAPH_MAX_ROWS, PRESET_HELP, PRESETS, ROUNDS, SAMPLES, Inputs, Shape, _floor_ms,
                       make_inputs, parse_shape, parse_tokens)
 from .timing import (HUMMING_GEMM_KERNEL, capture_graph, host_ms, lone_ms, collect_environment, cuda_event_sampler, gemm_alone_ms,
                      gpu_snapshot, interleaved_samples, kernel_times, measure_floors, median, position_medians,
                      round_orders)
 
 __all__ = ["ARM_NAMES", "Arm", "BenchConfig", "DEFAULT_TOKENS", "GRAPH_MAX_ROWS", "HUMMING_GEMM_KERNEL", "HummingArm",
-           "HummingW4A8Arm", "Inputs", "MxmoeArm", "PRESETS", "Progress", "ROUNDS", "SAMPLES", "Shape",
+           "HummingW4A8Arm", "Inputs", "MxmoeArm", "PRESET_HELP", "PRESETS", "Progress", "ROUNDS", "SAMPLES", "Shape",
            "TorchGroupedMMArm", "all_arms", "arms", "capture_graph", "cuda_event_sampler", "gemm_alone_ms",
            "gpu_snapshot", "interleaved_samples", "kernel_times", "make_inputs", "measure_floors",
            "measure_gemms_alone", "median", "parse_shape", "parse_tokens", "plot", "position_medians", "print_table",

@@ -42,9 +42,13 @@ class Shape:
 
 PRESETS = {
     "ref": Shape(288, 4096, 1024, 8),
-    "ktail": Shape(128, 2880, 2880, 4),
+    "gpt-oss-120b": Shape(128, 2880, 2880, 4),
+    "gpt-oss-20b": Shape(32, 2880, 2880, 4),
     "deepseek": Shape(256, 7168, 2048, 8),
+    "ktail": Shape(128, 2880, 2880, 4),  # gpt-oss-120b's, by its K tail (2880 is not a multiple of 128)
 }
+PRESET_HELP = ("ref: E=288,H=4096,I=1024,top_k=8; gpt-oss-120b (alias ktail): 128,2880,2880,4; gpt-oss-20b: "
+               "32,2880,2880,4; deepseek: 256,7168,2048,8")
 DEFAULT_TOKENS = (1, 16, 64, 1024, 2048, 4096, 8192)
 ROUNDS = 3
 SAMPLES = 30

@@ -1,0 +1,229 @@
+"""``mxmoe tune``: measure tile-config candidates for a layer shape on this GPU and write a tuned table.
+
+For each path and token bucket (``_details/tuned.TOKEN_BUCKETS``) the tuner times the call as the library runs it
+without tables (the heuristics of ``_details/config``), then candidates that change only
+``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs, then each GEMM's pipeline stages, its K loop's form and
+its pairing of weight blocks, one knob at a time, keeping a change when it is faster. A candidate whose output is not
+bitwise the default's is rejected (and reported): a table changes speed, never results. The best is timed against
+the default once more, interleaved; an entry is written only when it wins by more than ``MIN_GAIN``.
+
+Timing: W4A16 up to ``GRAPH_MAX_ROWS`` routed rows as CUDA-graph replays (as it runs in decode), everything else
+eagerly; CUDA events, the median of ``samples`` back-to-back calls after a warm-up. Inputs as the bench's: random
+MXFP4 codes (scale bytes 118-122) and a uniform routing.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence, TextIO
+
+import torch
+import triton
+
+from . import testing
+from ._details import launch, tuned
+from ._details.config import DIRECT_MAX_TOKENS, overrides, pack_tile_heights
+from .bench.problem import Shape, make_inputs
+from .bench.timing import capture_graph, cuda_event_sampler, median
+from .prepare import prepare_weights
+from .selection import plan_layer
+from .workspace import Workspace
+
+MIN_GAIN = 0.02  # an entry needs this much over the default in the final interleaved A/B
+GRAPH_MAX_ROWS = 1024
+W4A8_FROM = 1024  # W4A8 is prefill: its buckets from here by default
+
+
+def default_tokens(precision: str) -> tuple:
+    return tuple(t for t in tuned.TOKEN_BUCKETS if precision == "w4a16" or t >= W4A8_FROM)
+
+
+class _Problem:
+    """One shape's experts and, per T, inputs, a workspace and an output buffer."""
+
+    def __init__(self, shape: Shape, device: torch.device, seed: int = 0):
+        self.shape, self.device, self.seed = shape, device, seed
+        src = testing.random_code_sources(shape.E, shape.H, shape.I, seed=seed, device=device, scale_lo=118,
+                                          scale_hi=122)
+        self.experts = prepare_weights(**src)
+
+    def call(self, T: int, precision: str):
+        inp = make_inputs(self.shape, T, self.device, self.seed)
+        ws = Workspace(self.experts, T, self.shape.top_k, fp8=precision == "w4a8")
+        out = torch.empty_like(inp.x)
+        plan = plan_layer(inp.topk_ids.numel(), precision=precision, activation="silu", capturing=False)
+
+        def run():
+            launch.run_fused_moe(inp.x, self.experts, inp.topk_weights, inp.topk_ids, plan, None, out, ws)
+            return out
+
+        return inp, run
+
+
+DECODE_ROWS = 256  # routed rows up to which every stage count from 2 to 8 is tried (more bytes in flight per SM)
+
+
+def _candidates_for(cfg, gemm1: bool, fp8: bool, routes: int) -> list:
+    """One-knob changes of one GEMM's config (validity is checked when it is built)."""
+    out = []
+    stages = range(2, 9) if routes <= DECODE_ROWS else (cfg.num_stages - 1, cfg.num_stages + 1)
+    for n in stages:
+        if n >= 2 and n != cfg.num_stages and cfg.kernel != "gluon_ws8":  # (ws8: its stages fill the shared memory)
+            out.append(dict(num_stages=n))
+    if cfg.kernel == "gluon_small" and not fp8 and not cfg.wide:
+        out.append(dict(split_loop=not cfg.split_loop))
+    if cfg.kernel == "gluon_small" and not gemm1 and not cfg.wide:
+        out.append(dict(pair=not cfg.pair))
+    return out
+
+
+class Tuner:
+    def __init__(self, shape: Shape, device: torch.device, samples: int = 25, stream: Optional[TextIO] = None):
+        self.problem = _Problem(shape, device)
+        self.shape, self.samples = shape, samples
+        self.stream = stream or sys.stdout
+        self.rejected: list = []
+
+    def _timer(self, run, graph: bool, g1: dict, g2: dict):
+        """A zero-argument callable timing one call under the candidate (a captured graph, or eager calls)."""
+        with overrides(tuned=False, gemm1=g1, gemm2=g2):
+            out = run().clone()
+            if graph:
+                g = capture_graph(run)
+                return out, g.replay
+        def eager():
+            with overrides(tuned=False, gemm1=g1, gemm2=g2):
+                run()
+        return out, eager
+
+    def _time(self, fn) -> float:
+        for _ in range(3):
+            fn()
+        return median(cuda_event_sampler(fn, self.samples))
+
+    def tune(self, T: int, precision: str) -> dict:
+        began = time.perf_counter()
+        shape = self.shape
+        inp, run = self.problem.call(T, precision)
+        routes = T * shape.top_k
+        graph = precision == "w4a16" and routes <= GRAPH_MAX_ROWS
+        with overrides(tuned=False):
+            cfg1, cfg2 = launch._configs(inp.x, self.problem.experts, shape.top_k, routes, precision == "w4a8")
+        ref, fn = self._timer(run, graph, {}, {})
+        best = dict(gemm1={}, gemm2={}, ms=self._time(fn))
+        default_ms, tried = best["ms"], 1
+
+        def attempt(g1, g2):
+            nonlocal best, tried
+            try:
+                out, fn = self._timer(run, graph, g1, g2)
+            except Exception as exc:  # not a valid config here (ValueError), or one that does not compile
+                return f"not run: {type(exc).__name__}: {str(exc)[:80]}"
+            tried += 1
+            if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
+                self.rejected.append(dict(T=T, precision=precision, gemm1=g1, gemm2=g2))
+                return "changes bits: rejected"
+            ms = self._time(fn)
+            if ms < best["ms"]:
+                best = dict(gemm1=g1, gemm2=g2, ms=ms)
+            return f"{ms:.4f} ms"
+
+        direct = precision == "w4a16" and T <= DIRECT_MAX_TOKENS  # (no route pack: tile heights do not apply)
+        if not direct:
+            for bt in pack_tile_heights(routes, shape.E):
+                if bt != cfg1.block_rows * cfg1.sub_tiles and bt >= 16:
+                    self._say(T, precision, f"block_rows={bt}", attempt(dict(block_rows=bt), dict(block_rows=bt)))
+        with overrides(tuned=False, gemm1=best["gemm1"], gemm2=best["gemm2"]):
+            cfg1, cfg2 = launch._configs(inp.x, self.problem.experts, shape.top_k, routes, precision == "w4a8")
+        for gemm, cfg in (("gemm1", cfg1), ("gemm2", cfg2)):
+            for change in _candidates_for(cfg, gemm == "gemm1", precision == "w4a8", routes):
+                g = {"gemm1": dict(best["gemm1"]), "gemm2": dict(best["gemm2"])}
+                g[gemm].update(change)
+                self._say(T, precision, f"{gemm} {change}", attempt(g["gemm1"], g["gemm2"]))
+        entry = dict(shape=[shape.E, shape.H, shape.I, shape.top_k], precision=precision, tokens=tuned.bucket(T),
+                     gemm1=best["gemm1"], gemm2=best["gemm2"])
+        if best["gemm1"] or best["gemm2"]:  # the winner against the default, interleaved
+            _, fn_best = self._timer(run, graph, best["gemm1"], best["gemm2"])
+            _, fn_default = self._timer(run, graph, {}, {})
+            a, b = [], []
+            for _ in range(3):
+                a += cuda_event_sampler(fn_default, self.samples)
+                b += cuda_event_sampler(fn_best, self.samples)
+            default_ms, best["ms"] = median(a), median(b)
+        entry.update(ms=round(best["ms"], 5), default_ms=round(default_ms, 5), candidates=tried,
+                     seconds=round(time.perf_counter() - began, 1), graph=graph)
+        won = best["ms"] < default_ms * (1 - MIN_GAIN)
+        self._say(T, precision, "result", f"default {default_ms:.4f} ms, best {best['ms']:.4f} ms "
+                  f"{best['gemm1'] or ''} {best['gemm2'] or ''} -> {'entry' if won else 'no entry'}")
+        entry["kept"] = won
+        return entry
+
+    def _say(self, T, precision, what, result):
+        print(f"  T={T:<6} {precision:<6} {what:<40} {result}", file=self.stream, flush=True)
+
+
+def device_key(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def tune_shape(shape: Shape, tokens: dict, device: torch.device, samples: int = 25,
+               stream: Optional[TextIO] = None) -> list:
+    """Entries (kept and not) for ``shape``; ``tokens``: ``{precision: [T, ...]}``."""
+    tuner = Tuner(shape, device, samples, stream)
+    entries = []
+    for precision, ts in tokens.items():
+        for T in ts:
+            entries.append(tuner.tune(T, precision))
+    for r in tuner.rejected:
+        print(f"  rejected (output not bitwise the default's): {r}", file=tuner.stream)
+    return entries
+
+
+def write_table(path: str, name: str, entries: Sequence[dict], command: str) -> dict:
+    """Merge the kept entries of a tuning run on the GPU called ``name`` into the table at ``path`` (created if
+    missing; the same GPU's): its buckets measured now replace the table's."""
+    table = dict(format=tuned.FORMAT, device=name, entries=[])
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+        if table.get("device") != name:
+            raise ValueError(f"{path} holds {table.get('device')!r}'s entries, this is {name!r}")
+    key = lambda e: (tuple(e["shape"]), e["precision"], e["tokens"])  # noqa: E731
+    fresh = {key(e): {k: v for k, v in e.items() if k != "kept"} for e in entries if e["kept"]}
+    measured = {key(e) for e in entries}
+    table["entries"] = sorted([e for e in table["entries"] if key(e) not in measured] + list(fresh.values()),
+                              key=key)
+    table.update(triton=triton.__version__, torch=torch.__version__,
+                 measured=datetime.date.today().isoformat(), command=command)
+    tuned.check_table(table, where=path)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    return table
+
+
+def run_tune(shape: Shape, device: torch.device, precisions: Sequence[str], tokens: Optional[Sequence[int]],
+             out: str, samples: int = 25, stream: Optional[TextIO] = None) -> int:
+    stream = stream or sys.stdout
+    if device.type != "cuda":
+        print("mxmoe tune measures kernels: it needs a CUDA GPU", file=stream)
+        return 2
+    began = time.perf_counter()
+    plan = {p: list(tokens) if tokens else list(default_tokens(p)) for p in precisions}
+    print(f"tuning {shape} on {device_key(device)} (Triton {triton.__version__}): "
+          + "; ".join(f"{p} T={','.join(map(str, ts))}" for p, ts in plan.items()), file=stream, flush=True)
+    entries = tune_shape(shape, plan, device, samples, stream)
+    command = "mxmoe tune --shape {} --precision {} --tokens {}".format(
+        f"{shape.E},{shape.H},{shape.I},{shape.top_k}", ",".join(precisions),
+        ",".join(str(t) for t in sorted({t for ts in plan.values() for t in ts})))
+    write_table(out, device_key(device), entries, command)
+    kept = sum(e["kept"] for e in entries)
+    print(f"{kept} of {len(entries)} buckets faster than the default by > {100 * MIN_GAIN:g} %: written to {out} "
+          f"({time.perf_counter() - began:.0f} s)", file=stream)
+    print(f"{'precision':<9} {'T':>6} {'default ms':>11} {'tuned ms':>9}  fields", file=stream)
+    for e in entries:
+        fields = f"{e['gemm1'] or ''} {e['gemm2'] or ''}" if e["kept"] else "(default)"
+        print(f"{e['precision']:<9} {e['tokens']:>6} {e['default_ms']:>11.4f} {e['ms']:>9.4f}  {fields}", file=stream)
+    return 0
