@@ -63,13 +63,14 @@ class _Problem:
         return inp, run
 
 
-DECODE_ROWS = 256  # routed rows up to which every stage count from 2 to 8 is tried (more bytes in flight per SM)
+DECODE_ROWS = 256  # routed rows up to which DECODE_STAGES are tried (decode streams weights: bytes in flight per SM)
+DECODE_STAGES = (2, 3, 4, 5, 6, 8, 10, 12)
 
 
 def _candidates_for(cfg, gemm1: bool, fp8: bool, routes: int) -> list:
     """One-knob changes of one GEMM's config (validity is checked when it is built)."""
     out = []
-    stages = range(2, 9) if routes <= DECODE_ROWS else (cfg.num_stages - 1, cfg.num_stages + 1)
+    stages = DECODE_STAGES if routes <= DECODE_ROWS else (cfg.num_stages - 1, cfg.num_stages + 1)
     for n in stages:
         if n >= 2 and n != cfg.num_stages and cfg.kernel != "gluon_ws8":  # (ws8: its stages fill the shared memory)
             out.append(dict(num_stages=n))

@@ -1,5 +1,5 @@
-"""The bench's arms: mxmoe's two paths and its peers (torch grouped GEMMs, FlashInfer, Humming), each a class with
-``unavailable`` / ``prepare`` / ``make_call``."""
+"""The bench's arms: mxmoe's two paths and its peers (torch grouped GEMMs, FlashInfer, Humming, OpenAI's
+triton_kernels), each a class with ``unavailable`` / ``prepare`` / ``make_call``."""
 from __future__ import annotations
 
 import importlib
@@ -8,6 +8,8 @@ import re
 from typing import Callable, Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from ..format import dequantize_mxfp4
 from ..moe import fused_moe
@@ -415,9 +417,208 @@ class HummingW4A8Arm(HummingArm):
         return None
 
 
+# --------------------------------------------------------------------------------------
+# OpenAI's triton_kernels (Triton's python/triton_kernels): matmul_ogs
+# --------------------------------------------------------------------------------------
+
+# Its GEMM kernels: ``_matmul_ogs`` and the persistent ``_p_matmul_ogs``, named by their repr
+# (matmul_ogs_details/_common.py, make_matmul_repr: ``_matmul_ogs_<layouts>_<dtypes>_<blocks>`` and the fused
+# functions' reprs appended; ``_matmul_`` / ``_p_matmul_`` after Triton's rename of matmul_ogs to matmul). Its other
+# kernels (routing: _topk_forward, _sum_bitmatrix_rows, _bitmatrix_metadata_compute_stage*, _ragged_tensor_metadata_*;
+# the top-k sum: _reduce) are not matched.
+TRITON_KERNELS_GEMM_KERNEL = re.compile(r"^_(?:p_)?matmul(?:_ogs)?_")
+TRITON_KERNELS_NUM_WARPS = 8  # the Hopper scale layout's warps, which the GEMMs then run with (vLLM's choice)
+
+
+@triton.jit(repr=lambda _: "_mxmoe_silu_mul")
+def _tk_silu_mul(x, limit):
+    """triton_kernels fused activation (FnSpecs, reduction_n=2): ``x`` [BLOCK_M, BLOCK_N] FP32 GEMM1 tile with gate
+    and up interleaved along N (gate in the even columns, as its swiglu_fn reads them) -> SiLU(gate) * up
+    [BLOCK_M, BLOCK_N // 2], mxmoe's ``silu`` (SPEC §4: gate clamped above and up both ways at ``limit``, or not)."""
+    gate, up = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
+    if limit is not None:
+        gate = tl.minimum(gate, limit)
+        up = tl.clamp(up, -limit, limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 1) of a w13-shaped tensor ``[E, 2I, ...]`` from ``[gate; up]`` to interleaved: row 2j = gate j,
+    row 2j+1 = up j, the order triton_kernels' fused swiglu (and gpt-oss checkpoints) use."""
+    half = t.shape[1] // 2
+    return torch.stack((t[:, :half], t[:, half:]), dim=2).reshape(t.shape).contiguous()
+
+
+def triton_kernels_mxfp4_tensors(experts: PreparedExperts) -> dict:
+    """The experts' MXFP4 bytes as triton_kernels' MoE GEMMs take them, before its layout conversion: ``w13``
+    uint8 ``[E, 2I, H/2]`` (E2M1 pairs, low nibble first) with rows gate/up interleaved (:func:`interleave_gate_up`)
+    and ``w13_scale`` uint8 ``[E, 2I, H/32]`` the same; ``w2`` ``[E, H, I/2]``, ``w2_scale`` ``[E, H, I/32]``; ``b13``
+    (FP32, interleaved) and ``b2`` where the experts have biases. The scale bytes are the prepared ones (a zero
+    block's byte may be lowered, :func:`mxmoe.prepare.kernel_scales`: the same values decode)."""
+    w13, w2 = experts.source_order_weights()
+    out = {"w13": interleave_gate_up(w13), "w13_scale": interleave_gate_up(experts.w13_scale),
+           "w2": w2.contiguous(), "w2_scale": experts.w2_scale.contiguous()}
+    if experts.b13 is not None:
+        out["b13"] = interleave_gate_up(experts.b13.float().unsqueeze(-1)).squeeze(-1).contiguous()
+    if experts.b2 is not None:
+        out["b2"] = experts.b2.float().contiguous()
+    return out
+
+
+def triton_kernels_weight(w: torch.Tensor, scale: torch.Tensor, value_layout=None, scale_layout=None,
+                          num_warps: int = TRITON_KERNELS_NUM_WARPS):
+    """One GEMM's weights ``[E, N, K/2]`` + scales ``[E, N, K/32]`` (uint8, K-contiguous rows) as matmul_ogs' ``w``
+    (a ``triton_kernels.tensor.Tensor`` of FP4, logical shape ``[E, K, N]``, K-major: the B operand x @ W[e]) and
+    ``weight_scale`` (logical ``[E, K/32, N]``), in ``value_layout`` / ``scale_layout`` (default: the device's, from
+    ``triton_kernels.tensor_details.layout``: on SM90 HopperMXValueLayout and HopperMXScaleLayout with ``num_warps``),
+    both with the MX axis 1 (K), as vLLM's ``_swizzle_mxfp4`` does."""
+    from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+    from triton_kernels.tensor_details import layout
+
+    value_opts, scale_opts = {}, {}
+    if value_layout is None:
+        value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+    elif value_layout is layout.HopperMXValueLayout:
+        value_opts = {"mx_axis": 1}
+    if scale_layout is None:
+        scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=num_warps)
+    elif scale_layout is layout.HopperMXScaleLayout:
+        scale_opts = {"mx_axis": 1, "num_warps": num_warps}
+    value = convert_layout(wrap_torch_tensor(w.transpose(-2, -1), dtype=FP4), value_layout, **value_opts)
+    scale = convert_layout(wrap_torch_tensor(scale.transpose(-2, -1)), scale_layout, **scale_opts)
+    return value, scale
+
+
+def triton_kernels_route_indices(topk_ids: torch.Tensor, num_experts: int) -> tuple:
+    """The routing arrays matmul_ogs takes, in torch (no host sync): ``(col_sorted, row_sorted, hist)`` int32.
+    ``col_sorted[m]`` is the flat route (``t * top_k + k``) at position m of the expert-sorted order (routes of one
+    expert in token order), ``row_sorted`` its inverse (route -> position), ``hist[e]`` expert e's routes: what
+    triton_kernels' bitmatrix metadata computes (``BitmatrixMetadata.col_sorted_indx`` / ``row_sorted_indx`` /
+    ``col_sum``) from a top-k. Used where its topk kernel cannot take the routing (top_k not a power of 2) and by the
+    tests as the reference."""
+    flat = topk_ids.reshape(-1).long()
+    col_sorted = torch.argsort(flat, stable=True)
+    row_sorted = torch.empty_like(col_sorted)
+    row_sorted[col_sorted] = torch.arange(flat.numel(), device=flat.device)
+    hist = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    hist.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return col_sorted.to(torch.int32), row_sorted.to(torch.int32), hist
+
+
+class TritonKernelsArm(Arm):
+    name = "triton-kernels-w4a16"
+    rate = "bf16"
+    what = ("OpenAI's triton_kernels (Triton's python/triton_kernels, the matmul_ogs vLLM and SGLang run gpt-oss with "
+            "on Hopper) on the MXFP4 weights in its Hopper layouts (HopperMXValueLayout / HopperMXScaleLayout, 8 warps, "
+            "as vLLM's _swizzle_mxfp4; converted once), upcast to BF16 in its GEMMs, BF16 activations; included: its "
+            "routing from the given ids and weights (topk kernel with the ids provided: bitmatrix, sorted-index "
+            "metadata, ragged metadata), GEMM1 gathering x with SiLU-and-mul fused (gate/up interleaved), GEMM2 with the "
+            "router weights in its epilogue writing each route's row, its reduce kernel summing the top-k rows; "
+            "excluded: the one-time weight conversion and kernel compilation")
+    gemm_kernel = TRITON_KERNELS_GEMM_KERNEL
+    # CUDA graphs: no host sync on this path (routing and matmul_ogs read shapes only; split-K, the one extra
+    # reduce, is off for MXFP4 weights); each call allocates its scratch (the GEMM2 rows before the top-k sum) from
+    # the caching allocator, which a graph's private pool serves
+    graphable = True
+
+    def unavailable(self):
+        if importlib.util.find_spec("triton_kernels") is None:
+            return ("not installed: triton_kernels (Triton's python/triton_kernels: scripts/fetch_triton_kernels.py "
+                    "exports it to .triton_kernels/, then PYTHONPATH=$PWD/.triton_kernels)")
+        if not torch.cuda.is_available():
+            return "unsupported here: no CUDA device (triton_kernels' matmul_ogs runs on NVIDIA GPUs)"
+        major, minor = torch.cuda.get_device_capability()
+        if major < 9:
+            return f"unsupported on this device: SM{major}{minor} (the arm uses triton_kernels' SM90+ MXFP4 layouts)"
+        try:
+            for module in ("triton_kernels.matmul_ogs", "triton_kernels.topk", "triton_kernels.tensor",
+                           "triton_kernels.swiglu"):
+                importlib.import_module(module)
+        except Exception as exc:
+            return f"triton_kernels could not be imported: {type(exc).__name__}: {exc}"
+        return None
+
+    def prepare(self, experts, shape, max_tokens):
+        from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig
+        from triton_kernels.numerics import InFlexData
+
+        if experts.w13_global_scale is not None or experts.w2_global_scale is not None:
+            raise NotImplementedError("per-expert global scales are not wired into the triton_kernels arm")
+        self.shape = shape
+        src = triton_kernels_mxfp4_tensors(experts)
+        self.w13, s13 = triton_kernels_weight(src["w13"], src["w13_scale"])
+        self.w2, s2 = triton_kernels_weight(src["w2"], src["w2_scale"])
+        self.b13, self.b2 = src.get("b13"), src.get("b2")
+        self.pc13 = PrecisionConfig(weight_scale=s13, flex_ctx=FlexCtx(rhs_data=InFlexData()))
+        self.pc2 = PrecisionConfig(weight_scale=s2, flex_ctx=FlexCtx(rhs_data=InFlexData()))
+        act = experts.activation
+        if act is None or act.name == "silu":
+            limit = None if act is None or act.limit == float("inf") else act.limit
+            self.act = FusedActivation(FnSpecs("mxmoe_silu_mul", _tk_silu_mul, ("limit",), reduction_n=2), (limit,))
+            act_note = "SiLU-and-mul (mxmoe's silu) as a fused activation of its GEMM1"
+        else:  # swigluoai: triton_kernels' own swiglu is the same function (SPEC §4 / its compute_swiglu)
+            import triton_kernels.swiglu
+
+            self.act = FusedActivation(FnSpecs("swiglu", triton_kernels.swiglu.swiglu_fn, ("alpha", "limit"),
+                                               reduction_n=2), (act.alpha, act.limit))
+            act_note = f"its swiglu (alpha {act.alpha}, limit {act.limit}) fused in its GEMM1"
+        self.route_by_topk = shape.top_k & (shape.top_k - 1) == 0  # its topk kernel needs a power-of-2 top_k
+        layouts = f"{type(self.w13.storage.layout).__name__} / {type(s13.storage.layout).__name__}"
+        self.note = (f"weights in {layouts}; {act_note}; routing by "
+                     + ("its topk kernel with the ids given" if self.route_by_topk else
+                        "torch argsort (top_k not a power of 2) and its ragged metadata"))
+
+    def _routing(self, inp: Inputs):
+        """Per call: matmul_ogs' RoutingData, GatherIndx and ScatterIndx for ``inp``'s ids and weights."""
+        from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+        from triton_kernels.tensor import make_ragged_tensor_metadata
+
+        s = self.shape
+        R = inp.T * s.top_k
+        if self.route_by_topk:
+            from triton_kernels.topk import topk
+
+            # its topk with the indices given skips the selection: it reads x at the ids (the router weights placed
+            # there), builds the bitmatrix, and SparseMatrix computes the sorted indices from it
+            dense = torch.zeros(inp.T, s.E, dtype=torch.float32, device=inp.x.device)
+            dense.scatter_(1, inp.topk_ids.long(), inp.topk_weights.float())
+            sparse = topk(dense, s.top_k, apply_softmax=False, y_indx=inp.topk_ids.to(torch.int16))
+            meta = sparse.mask_metadata
+            col_sorted, row_sorted, hist = meta.col_sorted_indx, meta.row_sorted_indx, meta.col_sum
+            gate = sparse.vals.reshape(-1)[col_sorted]
+        else:
+            col_sorted, row_sorted, hist = triton_kernels_route_indices(inp.topk_ids, s.E)
+            gate = inp.topk_weights.float().reshape(-1)[col_sorted]
+        ragged = make_ragged_tensor_metadata(hist, R)
+        routing = RoutingData(gate, ragged.slice_sizes, s.E, s.top_k, ragged)
+        return routing, GatherIndx(col_sorted, row_sorted), ScatterIndx(row_sorted, col_sorted)
+
+    def make_call(self, inp):
+        from triton_kernels.matmul_ogs import matmul_ogs
+
+        s = self.shape
+        out = torch.empty_like(inp.x)
+        h = torch.empty(inp.T * s.top_k, s.I, dtype=inp.x.dtype, device=inp.x.device)  # GEMM1 out, sorted rows
+
+        def call():
+            routing, gather, scatter = self._routing(inp)
+            matmul_ogs(inp.x, self.w13, self.b13, routing, gather_indx=gather, precision_config=self.pc13,
+                       fused_activation=self.act, y=h)
+            matmul_ogs(h, self.w2, self.b2, routing, scatter_indx=scatter, precision_config=self.pc2,
+                       gammas=routing.gate_scal, y=out)
+            return out
+
+        return call
+
+    def release(self):
+        self.w13 = self.w2 = self.b13 = self.b2 = self.pc13 = self.pc2 = None
+
+
 def all_arms() -> list[Arm]:
     return [MxmoeArm("w4a16"), MxmoeArm("w4a8"), TorchGroupedMMArm(), TorchScaledGroupedMMArm(), FlashInferArm(),
-            HummingArm(), HummingW4A8Arm()]
+            HummingArm(), HummingW4A8Arm(), TritonKernelsArm()]
 
 
 ARM_NAMES = tuple(a.name for a in all_arms())
