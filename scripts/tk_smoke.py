@@ -49,17 +49,12 @@ def stage(record: dict, key: str, fn):
 
 
 def event_times(fn, n=30, warmup=3):
+    from mxmoe.bench.timing import cuda_event_sampler
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return cuda_event_sampler(fn, n)
 
 
 def environment():
