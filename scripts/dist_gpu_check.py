@@ -72,6 +72,13 @@ def parse_args(argv=None):
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inject-failure", type=int, default=None, metavar="RANK",
+                   help="failure check: RANK raises in its first arm, after the first checked call, while the other "
+                        "ranks go on into the next collective; passes when every rank has ended, with the error "
+                        "reported, within --failure-timeout seconds")
+    p.add_argument("--failure-timeout", type=float, default=120.0,
+                   help="with --inject-failure: seconds within which every rank must have ended (also the process "
+                        "group's collective timeout, so a rank blocked in a collective errors out by then)")
     p.add_argument("--cpu", action="store_true",
                    help="dry run of the script's logic on CPU with gloo (PyTorch emulation, wall-clock timing, no "
                         "stage split); use small shapes, e.g. --E 16 --H 256 --I 128 --top-k 4 --tokens 16 --iters 2")
@@ -197,6 +204,8 @@ def run(rank, world, local_rank, args):
                       "host_sync": [("start", "header")]}
         for prec in precisions:
             out, ran = layer(x, w, ids, precision=prec, return_precision=True)  # checked call (TP: with input check)
+            if args.inject_failure == rank:
+                raise RuntimeError(f"injected failure on rank {rank} (--inject-failure)")
             if arm == "tp":
                 layer.check_inputs = False
             again = layer(x, w, ids, precision=prec)
@@ -260,6 +269,13 @@ def run(rank, world, local_rank, args):
     return rows
 
 
+def pg_timeout(args) -> datetime.timedelta:
+    """The collectives' timeout: 10 minutes, or the failure check's (a rank left waiting on a dead peer errors out)."""
+    if args.inject_failure is None:
+        return datetime.timedelta(minutes=10)
+    return datetime.timedelta(seconds=args.failure_timeout)
+
+
 def worker(local_rank, world, args, init_file):
     """Entry for torch.multiprocessing.spawn (one process per GPU, or per CPU rank with --cpu)."""
     global CPU_RUN
@@ -267,7 +283,7 @@ def worker(local_rank, world, args, init_file):
     if not CPU_RUN:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("gloo" if CPU_RUN else "nccl", init_method=f"file://{init_file}", rank=local_rank,
-                            world_size=world, timeout=datetime.timedelta(minutes=10))
+                            world_size=world, timeout=pg_timeout(args))
     try:
         run(local_rank, world, local_rank, args)
     finally:
@@ -284,18 +300,36 @@ def main(argv=None):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if not CPU_RUN:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("gloo" if CPU_RUN else "nccl", timeout=datetime.timedelta(minutes=10))
-        try:
+        dist.init_process_group("gloo" if CPU_RUN else "nccl", timeout=pg_timeout(args))
+        try:  # (under torchrun a failed rank ends the others through torchrun's agent)
             run(dist.get_rank(), dist.get_world_size(), local_rank, args)
         finally:
             dist.destroy_process_group()
         return
     available = 64 if CPU_RUN else torch.cuda.device_count()
     world = args.world or (2 if CPU_RUN else available)
-    if world < 2 or world > available:
-        raise SystemExit(f"need 2 <= world <= {available} GPUs, got world={world}")
-    with tempfile.TemporaryDirectory() as d:
-        torch.multiprocessing.spawn(worker, args=(world, args, os.path.join(d, "init")), nprocs=world, join=True)
+    if world < 1 or world > available:  # (1: a one-GPU dry run of every part, the collectives on one rank)
+        raise SystemExit(f"need 1 <= world <= {available} GPUs, got world={world}")
+    if args.inject_failure is not None and not 0 <= args.inject_failure < world:
+        raise SystemExit(f"--inject-failure takes a rank in 0..{world - 1}")
+    began = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            torch.multiprocessing.spawn(worker, args=(world, args, os.path.join(d, "init")), nprocs=world, join=True)
+    except Exception as exc:  # torch.multiprocessing.ProcessRaisedException / ProcessExitedException
+        if args.inject_failure is None:
+            raise
+        seconds = time.perf_counter() - began
+        first = "the injected error" if "injected failure" in str(exc) else "a peer's error (its link to the failed rank)"
+        ok = seconds <= args.failure_timeout
+        print(f"failure check: spawn ended after {seconds:.1f} s (every rank ended), first {first}: "
+              f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
+        print("RESULT:", "PASS" if ok else "FAIL", f"(the run ended with an error, every rank gone, within "
+              f"{args.failure_timeout:g} s)")
+        raise SystemExit(0 if ok else 1)
+    if args.inject_failure is not None:
+        print("RESULT: FAIL (the injected failure did not end the run with an error)")
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -401,3 +403,31 @@ def test_bad_world_sizes_raise_without_process_group():
         ep_expert_map(E, 0, 3)
     with pytest.raises(ValueError, match="rank"):
         ep_expert_map(E, 4, 4)
+
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "dist_gpu_check.py")
+SMALL = ["--cpu", "--E", "16", "--H", "256", "--I", "128", "--top-k", "4", "--tokens", "16", "--iters", "2",
+         "--warmup", "1"]
+
+
+def _emulation_env() -> dict:
+    """The script's CPU run on the PyTorch emulation (the interpreter would only make it slower)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@pytest.mark.parametrize("arm, rank", [("tp", 1), ("ep-route", 0)])
+def test_the_multi_gpu_script_ends_every_rank_when_one_fails(arm, rank):
+    """scripts/dist_gpu_check.py's failure check, gloo on CPU processes: one rank raises mid-run while the other waits
+    in a collective; the run ends with the error within the stated timeout, no hang."""
+    cmd = [sys.executable, SCRIPT, *SMALL, "--world", "2", "--arms", arm, "--inject-failure", str(rank),
+           "--failure-timeout", "60"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_emulation_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "failure check: spawn ended" in proc.stdout and "RESULT: PASS" in proc.stdout
+
+
+def test_the_multi_gpu_script_runs_its_checks_on_one_rank():
+    """The script's one-rank dry run (what a one-GPU machine can run): every arm and precision passes its checks."""
+    proc = subprocess.run([sys.executable, SCRIPT, *SMALL, "--world", "1"], capture_output=True, text=True,
+                          timeout=180, env=_emulation_env())
+    assert proc.returncode == 0 and "RESULT: PASS" in proc.stdout, proc.stdout + proc.stderr
