@@ -5,7 +5,7 @@ generators seeded from it for its tensors), so any one case reruns alone: ``mxmo
 What a case draws (:func:`draw_case`):
 
 * shapes: E log-uniform in [1, 300]; H and I multiples of 32 (K tails included) log-uniform up to 7168; top_k in
-  [1, 10]; T log-uniform in [1, 16384], and in ~2 % of cases T x top_k > 2^17 rows. On a GPU the weights stay under
+  [1, 10]; on a GPU ~5 % of the cases gpt-oss-20b's E=32, H=I=2880, top_k=4; T log-uniform in [1, 16384], and in ~2 % of cases T x top_k > 2^17 rows. On a GPU the weights stay under
   ``WEIGHT_BUDGET`` elements and the call under ``MAC_BUDGET`` multiply-adds (the references must stay cheap): the
   larger of H and I halves, then T shrinks. On the CPU (the emulation, or ``TRITON_INTERPRET=1``) shapes are small;
 * routing: uniform, every route to one expert, half the experts empty, one or two hot experts; then masked routes
@@ -46,6 +46,8 @@ from .selection import PATHS
 WEIGHT_BUDGET = 1 << 30  # E * 3 * H * I on a GPU
 MAC_BUDGET = 1 << 36  # T * top_k * 3 * H * I on a GPU
 BIG_ROWS = 1 << 17  # a few cases route more rows than this
+GPT_OSS_20B = (32, 2880, 2880, 4)  # E, H, I, top_k
+GPT_OSS_SHARE = 0.05
 ROUTINGS = testing.FUZZ_ROUTINGS
 SCALES = ("normal", "zero_bytes", "wide_span", "mixed_span", "every_byte", "offset")
 
@@ -143,6 +145,10 @@ def draw_case(seed: int, index: int, small: bool) -> FuzzCase:
         H, I = min(H, 256), min(I, 256)
     else:
         T = _log_uniform(rng, 1, 40 if small else 16384)
+    # gpt-oss-20b's shape (the model people serve most, K tails of 2880) in ~GPT_OSS_SHARE of the GPU cases, drawn from
+    # a stream of its own so that every other case stays what it was
+    if not small and random.Random(f"{seed}:{index}:gpt-oss").random() < GPT_OSS_SHARE:
+        E, H, I, top_k = GPT_OSS_20B
     if not small:
         while E * 3 * H * I > WEIGHT_BUDGET:
             if H >= I:
@@ -435,7 +441,7 @@ def explain_token_excess(inp: Inputs, case: FuzzCase, out: torch.Tensor, tokens:
 # The run: counts, worst error per category, failures with their reproduction
 # --------------------------------------------------------------------------------------
 
-CATEGORIES = ("routing", "scales", "ids_dtype", "activation", "expert_map", "biases", "K tail", "T", "extras")
+CATEGORIES = ("routing", "scales", "ids_dtype", "activation", "expert_map", "biases", "K tail", "shape", "T", "extras")
 
 
 def categories(case: FuzzCase) -> dict:
@@ -451,6 +457,7 @@ def categories(case: FuzzCase) -> dict:
         "routing": case.routing, "scales": case.scales, "ids_dtype": case.ids_dtype, "activation": case.activation,
         "expert_map": "yes" if case.dropped else "no", "biases": "yes" if case.biases else "no",
         "K tail": ("32" if any(d % 64 for d in tails) else "64") if tails else "none",
+        "shape": "gpt-oss-20b" if (case.E, case.H, case.I, case.top_k) == GPT_OSS_20B else "drawn",
         "T": ("rows > 2^17" if rows > BIG_ROWS else "T <= 16" if case.T <= 16 else "T <= 1024" if case.T <= 1024
               else "T > 1024"),
         "extras": extras,
