@@ -139,3 +139,18 @@ def test_token_excess_explanation_checks_the_kernels_own_intermediate():
     bad[2] *= 1.02
     # the rerun no longer matches the output it is asked to explain
     assert not fuzz.explain_token_excess(inp, case, bad, [2])["ok"]
+
+
+def test_sharded_fuzz_summaries_merge_into_one():
+    """scripts/validate_triton.py runs the fuzz in shards: their summaries merged are the summary of all the cases."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "validate_triton.py")
+    spec = importlib.util.spec_from_file_location("validate_triton", path)
+    validate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(validate)
+    device = torch.device("cpu")
+    results = [r for i in range(6) for r in fuzz.run_one(fuzz.draw_case(7, i, True), device, ("w4a16", "w4a8"))]
+    whole = fuzz.summarize(results)
+    halves = [fuzz.summarize(results[:5]), fuzz.summarize(results[5:])]
+    assert validate.merge_fuzz(halves) == whole
