@@ -289,3 +289,50 @@ def test_plans_follow_the_environment_between_calls(monkeypatch):
 
 def relative_l2_ok(a, b) -> bool:
     return mxmoe.relative_l2(a, b) < 1e-2
+
+
+def _triton_source(module: str) -> str:
+    """The text of one of Triton's modules, without importing it (its launcher's form is what a plan relies on)."""
+    import importlib.util
+
+    with open(importlib.util.find_spec(module).origin) as f:
+        return " ".join(f.read().split())  # (whitespace normalized: the calls span lines)
+
+
+def test_plans_call_the_installed_tritons_launchers_in_their_form():
+    """A plan calls a compiled kernel's launcher the way the JIT does (every release), and on the releases of
+    ``DIRECT_LAUNCH_RELEASES`` the C launch function the way ``CudaLauncher.__call__`` does. Triton 3.9 changed the C
+    function; this test, in CI's newest-Triton stage, is what says when the next release does."""
+    import triton
+
+    from mxmoe._details.launch_plan import DIRECT_LAUNCH_RELEASES
+
+    jit = _triton_source("triton.runtime.jit")
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *") in jit
+    driver = _triton_source("triton.backends.nvidia.driver")
+    release = ".".join(triton.__version__.split("+")[0].split(".")[:2])
+    if release in DIRECT_LAUNCH_RELEASES:
+        assert ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+                "global_scratch, profile_scratch, *args)") in driver
+        assert "def __call__(self, gridX, gridY, gridZ, stream, function, *args):" in driver
+
+
+def test_a_release_without_a_known_c_launcher_takes_the_wrapper(monkeypatch):
+    from types import SimpleNamespace
+
+    import triton
+
+    from mxmoe._details import launch_plan
+
+    wrapper = SimpleNamespace(launch=object(), global_scratch_size=0, profile_scratch_size=0,
+                              launch_cooperative_grid=False, launch_pdl=True)
+    compiled = SimpleNamespace(run=wrapper, function=7, packed_metadata="meta")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert launch_plan._launcher(compiled) == (wrapper.launch, (7, False, True, None, None, "meta", None, None, None))
+    for version in ("3.9.0", "3.10.0+git123"):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert launch_plan._launcher(compiled) == (wrapper, (7, "meta", None, None, None))
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    compiled.run.global_scratch_size = 256  # (a kernel that needs scratch memory: the wrapper allocates it)
+    assert launch_plan._launcher(compiled)[0] is wrapper

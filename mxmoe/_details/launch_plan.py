@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import triton
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,21 @@ class _Step:
     args: Callable  # pointer table -> every parameter in order (constexprs too, as the JIT passes them)
 
 
+# Triton releases whose C launch function a plan calls itself (``CudaLauncher.__call__`` calls it as
+# ``launch(*grid, stream, function, coop, pdl, global_scratch, profile_scratch, metadata, launch_metadata, hooks x 2,
+# *args)`` after allocating scratch memory); other releases take the wrapper. Triton 3.9 changed the C function (the
+# kernel's arguments in one tuple after its signature): calling it in 3.6's form raised, measured on an H100.
+DIRECT_LAUNCH_RELEASES = ("3.6",)
+
+
 def _launcher(compiled) -> tuple:
-    """``(run, fixed)`` of a compiled kernel: its C launch function itself where the kernel needs no scratch memory
-    (Triton 3.6's ``CudaLauncher.__call__`` only allocates that, then calls it with these flags), else the wrapper
-    as the JIT calls it."""
+    """``(run, fixed)`` of a compiled kernel: its C launch function itself where the kernel needs no scratch memory on
+    a release of :data:`DIRECT_LAUNCH_RELEASES`, else the wrapper as the JIT calls it (the same form in every release
+    since 3.6)."""
     wrapper = compiled.run
     launch = getattr(wrapper, "launch", None)
-    if launch is not None and getattr(wrapper, "global_scratch_size", 1) == 0 \
+    release = ".".join(triton.__version__.split("+")[0].split(".")[:2])
+    if launch is not None and release in DIRECT_LAUNCH_RELEASES and getattr(wrapper, "global_scratch_size", 1) == 0 \
             and getattr(wrapper, "profile_scratch_size", 1) == 0:
         return launch, (compiled.function, wrapper.launch_cooperative_grid, wrapper.launch_pdl, None, None,
                         compiled.packed_metadata, None, None, None)
