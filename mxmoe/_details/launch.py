@@ -367,8 +367,8 @@ def plan_key(pointers, strides: tuple, weights, extras, all_fold, topk_weights, 
 
 
 def _plans_apply(x) -> bool:
-    """Plans apply on CUDA, on the Triton release they were validated on (the compiled kernel's launcher is called
-    as that release's JIT calls it), with the library's own settings (``config.overrides`` unset: tools and tests
+    """Plans apply on CUDA, on a Triton release the kernels were validated on (``launch_plan._launcher`` calls each
+    compiled kernel's launcher in that release's form), with the library's own settings (``config.overrides`` unset: tools and tests
     launch through the JIT), and while no Triton launch hook listens (a profiler gets every launch's metadata)."""
     return current_overrides() is DEFAULT_OVERRIDES and _direct_launches(x) and not _launch_hooks()
 
