@@ -165,7 +165,7 @@ def main() -> int:
     ap.add_argument("stages", nargs="+", choices=("suite", "fuzz", "bench"))
     ap.add_argument("--triton", help="a PYTHONPATH tree holding the Triton to validate (carry_triton.py unpack)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--jobs", type=int, default=6)
+    ap.add_argument("--jobs", type=int, default=6, help="xdist workers (14 ran out of an 80 GB card's memory)")
     ap.add_argument("--fuzz-cases", type=int, default=600)
     ap.add_argument("--fuzz-jobs", type=int, default=12)
     ap.add_argument("--seed", type=int, default=45)
