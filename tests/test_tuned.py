@@ -66,6 +66,14 @@ def test_the_environment_names_an_extra_table(tmp_path, monkeypatch):
     assert tuned.lookup("Some GPU", SHAPE, "w4a16", 3) == ({}, {})
 
 
+def test_an_unreadable_table_is_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path in (str(bad), str(tmp_path / "missing.json")):
+        with pytest.raises(ValueError, match="cannot be read"):
+            tuned.load_tables([path])
+
+
 def test_the_shipped_tables_are_valid():
     files = tuned._table_files()
     tuned.load_tables(files)  # raises on anything a table may not hold

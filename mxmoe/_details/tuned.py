@@ -79,11 +79,15 @@ def _table_files() -> list:
 
 
 def load_tables(paths: Iterable[str]) -> dict:
-    """The entries of the tables at ``paths`` (later files win)."""
+    """The entries of the tables at ``paths`` (later files win); ``ValueError`` naming a file that cannot be read."""
     entries = {}
     for path in paths:
-        with open(path) as f:
-            entries.update(check_table(json.load(f), where=path))
+        try:
+            with open(path) as f:
+                table = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"tuned table {path} (shipped, or {ENV}) cannot be read: {exc}") from None
+        entries.update(check_table(table, where=path))
     return entries
 
 
@@ -93,7 +97,8 @@ def _entries() -> dict:
 
 
 def reload() -> None:
-    """Read the tables again at the next lookup (after ``MXMOE_TUNED_CONFIGS`` changed)."""
+    """Read the tables again at the next lookup (after ``MXMOE_TUNED_CONFIGS`` changed). Launch plans recorded before
+    keep the configs they were recorded with: set the variable before the first call."""
     _entries.cache_clear()
     _device_name.cache_clear()
 
