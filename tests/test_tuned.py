@@ -32,6 +32,8 @@ def test_a_table_may_set_speed_fields_only():
     for fields in (dict(k_split=2), dict(promote=4), dict(kernel="gluon"), dict(block_k=128)):
         with pytest.raises(ValueError, match="may set only"):
             tuned.check_table(_table([_entry(64, fields)]))
+    with pytest.raises(ValueError, match="both GEMMs"):
+        tuned.check_table(_table([_entry(64, dict(block_rows=32))]))
     with pytest.raises(ValueError, match="not a bucket"):
         tuned.check_table(_table([_entry(63)]))
     with pytest.raises(ValueError, match="format"):

@@ -66,8 +66,10 @@ def check_table(table: Mapping, where: str = "table") -> dict:
             raise ValueError(f"{at}: precision must be one of {PRECISIONS}")
         if entry["tokens"] not in TOKEN_BUCKETS:
             raise ValueError(f"{at}: tokens {entry['tokens']} is not a bucket ({TOKEN_BUCKETS})")
-        out[(device, shape, entry["precision"], entry["tokens"])] = (_fields(entry, "gemm1", at),
-                                                                     _fields(entry, "gemm2", at))
+        g1, g2 = _fields(entry, "gemm1", at), _fields(entry, "gemm2", at)
+        if g1.get("block_rows") != g2.get("block_rows"):
+            raise ValueError(f"{at}: block_rows must be the same for both GEMMs (they read one route pack)")
+        out[(device, shape, entry["precision"], entry["tokens"])] = (g1, g2)
     return out
 
 
