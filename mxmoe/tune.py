@@ -166,10 +166,6 @@ class Tuner:
         print(f"  T={T:<6} {precision:<6} {what:<40} {result}", file=self.stream, flush=True)
 
 
-def device_key(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
 def tune_shape(shape: Shape, tokens: dict, device: torch.device, samples: int = 25,
                stream: Optional[TextIO] = None) -> list:
     """Entries (kept and not) for ``shape``; ``tokens``: ``{precision: [T, ...]}``."""
@@ -213,13 +209,13 @@ def run_tune(shape: Shape, device: torch.device, precisions: Sequence[str], toke
         return 2
     began = time.perf_counter()
     plan = {p: list(tokens) if tokens else list(default_tokens(p)) for p in precisions}
-    print(f"tuning {shape} on {device_key(device)} (Triton {triton.__version__}): "
+    print(f"tuning {shape} on {tuned.device_name(device)} (Triton {triton.__version__}): "
           + "; ".join(f"{p} T={','.join(map(str, ts))}" for p, ts in plan.items()), file=stream, flush=True)
     entries = tune_shape(shape, plan, device, samples, stream)
     command = "mxmoe tune --shape {} --precision {} --tokens {}".format(
         f"{shape.E},{shape.H},{shape.I},{shape.top_k}", ",".join(precisions),
         ",".join(str(t) for t in sorted({t for ts in plan.values() for t in ts})))
-    write_table(out, device_key(device), entries, command)
+    write_table(out, tuned.device_name(device), entries, command)
     kept = sum(e["kept"] for e in entries)
     print(f"{kept} of {len(entries)} buckets faster than the default by > {100 * MIN_GAIN:g} %: written to {out} "
           f"({time.perf_counter() - began:.0f} s)", file=stream)

@@ -99,3 +99,13 @@ def top_scale_pair(E, H, I, shift=130, seed=5, dev="cpu"):
             for t in (top, low)]
     assert int(pair[0].w13_ref.max()) == 254
     return pair
+
+
+def w13_in_layout(gate: torch.Tensor, up: torch.Tensor, layout: str) -> torch.Tensor:
+    """gate and up rows (dim 1, same shapes) as one w13-shaped tensor in ``layout``, built here independently of
+    mxmoe: ``gate_up`` / ``up_gate`` concatenated, ``interleaved`` even rows gate and odd rows up."""
+    if layout == "gate_up":
+        return torch.cat((gate, up), 1)
+    if layout == "up_gate":
+        return torch.cat((up, gate), 1)
+    return torch.stack((gate, up), 2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])

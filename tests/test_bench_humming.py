@@ -16,6 +16,8 @@ import types
 import pytest
 import torch
 
+from conftest import w13_in_layout
+
 import mxmoe
 from mxmoe import bench, testing
 from mxmoe.reference import quantize_rows_fp8
@@ -67,13 +69,7 @@ def test_humming_tensors_are_the_source_bytes_gate_rows_first(layout):
     gate, up = (torch.randn(E, I, H, generator=gen) for _ in range(2))
     w2 = torch.randn(E, H, I, generator=gen)
     (gate_q, gate_s), (up_q, up_s), (w2_q, w2_s) = (mxmoe.quantize_mxfp4(t) for t in (gate, up, w2))
-    if layout == "gate_up":
-        w13_q, w13_s = torch.cat((gate_q, up_q), 1), torch.cat((gate_s, up_s), 1)
-    elif layout == "up_gate":
-        w13_q, w13_s = torch.cat((up_q, gate_q), 1), torch.cat((up_s, gate_s), 1)
-    else:  # even rows gate, odd rows up
-        w13_q = torch.stack((gate_q, up_q), 2).reshape(E, 2 * I, H // 2)
-        w13_s = torch.stack((gate_s, up_s), 2).reshape(E, 2 * I, H // 32)
+    w13_q, w13_s = w13_in_layout(gate_q, up_q, layout), w13_in_layout(gate_s, up_s, layout)
     experts = mxmoe.prepare_weights(w13_q, w13_s.view(torch.float8_e8m0fnu), w2_q, w2_s, w13_layout=layout)
     (t13, n13, k13), (t2, n2, k2) = bench.arms.humming_mxfp4_tensors(experts)
     assert (n13, k13, n2, k2) == (2 * I, H, H, I)

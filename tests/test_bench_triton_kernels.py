@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from conftest import w13_in_layout
+
 import mxmoe
 from mxmoe import bench, testing
 from mxmoe.bench import arms
@@ -102,14 +104,7 @@ def test_tensors_are_the_source_bytes_gate_up_interleaved(layout):
     w2 = torch.randn(E, H, I, generator=gen)
     (gq, gs), (uq, us), (w2q, w2s) = (mxmoe.quantize_mxfp4(t) for t in (gate, up, w2))
     b_gate, b_up = torch.randn(E, I, generator=gen), torch.randn(E, I, generator=gen)
-    if layout == "gate_up":
-        w13q, w13s, b13 = torch.cat((gq, uq), 1), torch.cat((gs, us), 1), torch.cat((b_gate, b_up), 1)
-    elif layout == "up_gate":
-        w13q, w13s, b13 = torch.cat((uq, gq), 1), torch.cat((us, gs), 1), torch.cat((b_up, b_gate), 1)
-    else:
-        w13q = torch.stack((gq, uq), 2).reshape(E, 2 * I, H // 2)
-        w13s = torch.stack((gs, us), 2).reshape(E, 2 * I, H // 32)
-        b13 = torch.stack((b_gate, b_up), 2).reshape(E, 2 * I)
+    w13q, w13s, b13 = (w13_in_layout(g, u, layout) for g, u in ((gq, uq), (gs, us), (b_gate, b_up)))
     experts = mxmoe.prepare_weights(w13q, w13s, w2q, w2s, w13_layout=layout, b13=b13)
     t = arms.triton_kernels_mxfp4_tensors(experts)
     # row 2j = gate j, row 2j+1 = up j (triton_kernels' swiglu: gate in the even columns of GEMM1's output)

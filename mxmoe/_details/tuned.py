@@ -102,11 +102,12 @@ def reload() -> None:
     """Read the tables again at the next lookup (after ``MXMOE_TUNED_CONFIGS`` changed). Launch plans recorded before
     keep the configs they were recorded with: set the variable before the first call."""
     _entries.cache_clear()
-    _device_name.cache_clear()
+    device_name.cache_clear()
 
 
 @functools.cache
-def _device_name(device) -> str:
+def device_name(device) -> str:
+    """The name that keys a GPU's tables."""
     import torch
 
     return torch.cuda.get_device_name(device)
@@ -118,5 +119,5 @@ def lookup(device, shape: tuple, precision: str, tokens: int, entries: Optional[
     entries = _entries() if entries is None else entries
     if not entries:
         return {}, {}
-    name = device if isinstance(device, str) else _device_name(device)
+    name = device if isinstance(device, str) else device_name(device)
     return entries.get((name, tuple(shape), precision, bucket(tokens)), ({}, {}))

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..format import dequantize_mxfp4
 from ..moe import fused_moe
-from ..prepare import PreparedExperts
+from ..prepare import PreparedExperts, _from_gate_up
 from ..reference import FP8_MAX
 from ..workspace import Workspace
 
@@ -447,8 +447,7 @@ def _tk_silu_mul(x, limit):
 def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     """Rows (dim 1) of a w13-shaped tensor ``[E, 2I, ...]`` from ``[gate; up]`` to interleaved: row 2j = gate j,
     row 2j+1 = up j, the order triton_kernels' fused swiglu (and gpt-oss checkpoints) use."""
-    half = t.shape[1] // 2
-    return torch.stack((t[:, :half], t[:, half:]), dim=2).reshape(t.shape).contiguous()
+    return _from_gate_up(t, "interleaved").contiguous()
 
 
 def triton_kernels_mxfp4_tensors(experts: PreparedExperts) -> dict:
