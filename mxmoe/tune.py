@@ -7,9 +7,14 @@ its pairing of weight blocks, one knob at a time, keeping a change when it is fa
 bitwise the default's is rejected (and reported): a table changes speed, never results. The best is timed against
 the default once more, interleaved; an entry is written only when it wins by more than ``MIN_GAIN``.
 
-Timing: W4A16 up to ``GRAPH_MAX_ROWS`` routed rows as CUDA-graph replays (as it runs in decode), everything else
-eagerly; CUDA events, the median of ``samples`` back-to-back calls after a warm-up. Inputs as the bench's: random
-MXFP4 codes (scale bytes 118-122) and a uniform routing.
+Timing: every bucket as CUDA-graph replays, so that the GPU's time is what is compared (a tuned config changes no
+host work, and candidates run under ``config.overrides``, where launch plans do not apply: eager calls would add the
+JIT's host time); CUDA events, the median of ``samples`` back-to-back replays after a warm-up. Inputs as the bench's:
+random MXFP4 codes (scale bytes 118-122) and a uniform routing.
+
+An entry is measured at one T, its bucket's top, and records the kind of config the heuristics picked there (kernel
+family and route tiles per GEMM): calls of the bucket whose heuristics pick another kind do not take it. Tables
+apply to the Gluon kernels only; a bucket the library runs on the plain-Triton kernels is not tuned.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 import triton
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from . import testing
 from ._details import launch, tuned
@@ -33,7 +40,6 @@ from .selection import plan_layer
 from .workspace import Workspace
 
 MIN_GAIN = 0.02  # an entry needs this much over the default in the final interleaved A/B
-GRAPH_MAX_ROWS = 1024
 W4A8_FROM = 1024  # W4A8 is prefill: its buckets from here by default
 
 
@@ -88,17 +94,11 @@ class Tuner:
         self.stream = stream or sys.stdout
         self.rejected: list = []
 
-    def _timer(self, run, graph: bool, g1: dict, g2: dict):
-        """A zero-argument callable timing one call under the candidate (a captured graph, or eager calls)."""
+    def _timer(self, run, g1: dict, g2: dict):
+        """The call's output under the candidate and a zero-argument callable replaying it (a captured graph)."""
         with overrides(tuned=False, gemm1=g1, gemm2=g2):
             out = run().clone()
-            if graph:
-                g = capture_graph(run)
-                return out, g.replay
-        def eager():
-            with overrides(tuned=False, gemm1=g1, gemm2=g2):
-                run()
-        return out, eager
+            return out, capture_graph(run).replay
 
     def _time(self, fn) -> float:
         for _ in range(3):
@@ -110,19 +110,25 @@ class Tuner:
         shape = self.shape
         inp, run = self.problem.call(T, precision)
         routes = T * shape.top_k
-        graph = precision == "w4a16" and routes <= GRAPH_MAX_ROWS
         with overrides(tuned=False):
             cfg1, cfg2 = launch._configs(inp.x, self.problem.experts, shape.top_k, routes, precision == "w4a8")
-        ref, fn = self._timer(run, graph, {}, {})
+        untuned = {"gemm1": dict(zip(tuned.KIND_FIELDS, tuned.kind(cfg1))),
+                   "gemm2": dict(zip(tuned.KIND_FIELDS, tuned.kind(cfg2)))}
+        if "gluon" not in cfg1.kernel or "gluon" not in cfg2.kernel:
+            self._say(T, precision, "skipped", f"runs the plain-Triton kernels here ({cfg1.kernel}, {cfg2.kernel}): "
+                      "tables apply to the Gluon kernels only")
+            return None
+        ref, fn = self._timer(run, {}, {})
         best = dict(gemm1={}, gemm2={}, ms=self._time(fn))
         default_ms, tried = best["ms"], 1
 
         def attempt(g1, g2):
             nonlocal best, tried
             try:
-                out, fn = self._timer(run, graph, g1, g2)
-            except Exception as exc:  # not a valid config here (ValueError), or one that does not compile
+                out, fn = self._timer(run, g1, g2)
+            except (ValueError, OutOfResources, CompilationError) as exc:  # not valid here, or does not compile
                 return f"not run: {type(exc).__name__}: {str(exc)[:80]}"
+            # (anything else, a CUDA fault say, ends the run: the GPU's state is no longer to be trusted)
             tried += 1
             if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
                 self.rejected.append(dict(T=T, precision=precision, gemm1=g1, gemm2=g2))
@@ -145,17 +151,17 @@ class Tuner:
                 g[gemm].update(change)
                 self._say(T, precision, f"{gemm} {change}", attempt(g["gemm1"], g["gemm2"]))
         entry = dict(shape=[shape.E, shape.H, shape.I, shape.top_k], precision=precision, tokens=tuned.bucket(T),
-                     gemm1=best["gemm1"], gemm2=best["gemm2"])
+                     gemm1=best["gemm1"], gemm2=best["gemm2"], default=untuned)
         if best["gemm1"] or best["gemm2"]:  # the winner against the default, interleaved
-            _, fn_best = self._timer(run, graph, best["gemm1"], best["gemm2"])
-            _, fn_default = self._timer(run, graph, {}, {})
+            _, fn_best = self._timer(run, best["gemm1"], best["gemm2"])
+            _, fn_default = self._timer(run, {}, {})
             a, b = [], []
             for _ in range(3):
                 a += cuda_event_sampler(fn_default, self.samples)
                 b += cuda_event_sampler(fn_best, self.samples)
             default_ms, best["ms"] = median(a), median(b)
         entry.update(ms=round(best["ms"], 5), default_ms=round(default_ms, 5), candidates=tried,
-                     seconds=round(time.perf_counter() - began, 1), graph=graph)
+                     seconds=round(time.perf_counter() - began, 1))
         won = best["ms"] < default_ms * (1 - MIN_GAIN)
         self._say(T, precision, "result", f"default {default_ms:.4f} ms, best {best['ms']:.4f} ms "
                   f"{best['gemm1'] or ''} {best['gemm2'] or ''} -> {'entry' if won else 'no entry'}")
@@ -173,21 +179,38 @@ def tune_shape(shape: Shape, tokens: dict, device: torch.device, samples: int = 
     entries = []
     for precision, ts in tokens.items():
         for T in ts:
-            entries.append(tuner.tune(T, precision))
+            entry = tuner.tune(T, precision)
+            if entry is not None:
+                entries.append(entry)
     for r in tuner.rejected:
         print(f"  rejected (output not bitwise the default's): {r}", file=tuner.stream)
     return entries
 
 
+def _existing_table(path: str, name: str) -> dict:
+    """The table at ``path`` to merge into (a new one if there is none); ``ValueError`` when it cannot be: another
+    GPU's, unreadable or invalid, or a place that cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (os.path.exists(path)
+                                                                        and not os.access(path, os.W_OK)):
+        raise ValueError(f"{path}: cannot write there")
+    if not os.path.exists(path):
+        return dict(format=tuned.FORMAT, device=name, entries=[])
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        tuned.check_table(table, where=path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} cannot be merged into: {exc}") from None
+    if table.get("device") != name:
+        raise ValueError(f"{path} holds {table.get('device')!r}'s entries, this is {name!r}")
+    return table
+
+
 def write_table(path: str, name: str, entries: Sequence[dict], command: str) -> dict:
     """Merge the kept entries of a tuning run on the GPU called ``name`` into the table at ``path`` (created if
     missing; the same GPU's): its buckets measured now replace the table's."""
-    table = dict(format=tuned.FORMAT, device=name, entries=[])
-    if os.path.exists(path):
-        with open(path) as f:
-            table = json.load(f)
-        if table.get("device") != name:
-            raise ValueError(f"{path} holds {table.get('device')!r}'s entries, this is {name!r}")
+    table = _existing_table(path, name)
     key = lambda e: (tuple(e["shape"]), e["precision"], e["tokens"])  # noqa: E731
     fresh = {key(e): {k: v for k, v in e.items() if k != "kept"} for e in entries if e["kept"]}
     measured = {key(e) for e in entries}
@@ -207,11 +230,19 @@ def run_tune(shape: Shape, device: torch.device, precisions: Sequence[str], toke
     if device.type != "cuda":
         print("mxmoe tune measures kernels: it needs a CUDA GPU", file=stream)
         return 2
+    try:
+        _existing_table(out, tuned.device_name(device))  # (before an hour of tuning, not after)
+    except ValueError as exc:
+        print(f"mxmoe tune: {exc}", file=stream)
+        return 2
     began = time.perf_counter()
     plan = {p: list(tokens) if tokens else list(default_tokens(p)) for p in precisions}
     print(f"tuning {shape} on {tuned.device_name(device)} (Triton {triton.__version__}): "
           + "; ".join(f"{p} T={','.join(map(str, ts))}" for p, ts in plan.items()), file=stream, flush=True)
     entries = tune_shape(shape, plan, device, samples, stream)
+    if not entries:
+        print("nothing tuned: the Gluon kernels do not run these calls here (Triton, GPU or MXMOE_KERNEL)", file=stream)
+        return 2
     command = "mxmoe tune --shape {} --precision {} --tokens {}".format(
         f"{shape.E},{shape.H},{shape.I},{shape.top_k}", ",".join(precisions),
         ",".join(str(t) for t in sorted({t for ts in plan.values() for t in ts})))

@@ -205,6 +205,10 @@ def run(rank, world, local_rank, args):
         for prec in precisions:
             out, ran = layer(x, w, ids, precision=prec, return_precision=True)  # checked call (TP: with input check)
             if args.inject_failure == rank:
+                stamp = os.environ.get(FAILED_AT_ENV)
+                if stamp:  # (the failure check times from here, not from the ranks' start)
+                    with open(stamp, "w") as f:
+                        f.write(repr(time.time()))
                 raise RuntimeError(f"injected failure on rank {rank} (--inject-failure)")
             if arm == "tp":
                 layer.check_inputs = False
@@ -269,6 +273,9 @@ def run(rank, world, local_rank, args):
     return rows
 
 
+FAILED_AT_ENV = "MXMOE_DIST_CHECK_FAILED_AT"  # file the failing rank stamps with its failure's time
+
+
 def pg_timeout(args) -> datetime.timedelta:
     """The collectives' timeout: 10 minutes, or the failure check's (a rank left waiting on a dead peer errors out)."""
     if args.inject_failure is None:
@@ -312,24 +319,33 @@ def main(argv=None):
         raise SystemExit(f"need 1 <= world <= {available} GPUs, got world={world}")
     if args.inject_failure is not None and not 0 <= args.inject_failure < world:
         raise SystemExit(f"--inject-failure takes a rank in 0..{world - 1}")
-    began = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d:
+        stamp = os.environ[FAILED_AT_ENV] = os.path.join(d, "failed_at")  # (the ranks inherit it)
+        try:
             torch.multiprocessing.spawn(worker, args=(world, args, os.path.join(d, "init")), nprocs=world, join=True)
-    except Exception as exc:  # torch.multiprocessing.ProcessRaisedException / ProcessExitedException
-        if args.inject_failure is None:
-            raise
-        seconds = time.perf_counter() - began
-        first = "the injected error" if "injected failure" in str(exc) else "a peer's error (its link to the failed rank)"
-        ok = seconds <= args.failure_timeout
-        print(f"failure check: spawn ended after {seconds:.1f} s (every rank ended), first {first}: "
-              f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
-        print("RESULT:", "PASS" if ok else "FAIL", f"(the run ended with an error, every rank gone, within "
-              f"{args.failure_timeout:g} s)")
-        raise SystemExit(0 if ok else 1)
+        except Exception as exc:  # torch.multiprocessing.ProcessRaisedException / ProcessExitedException
+            if args.inject_failure is None:
+                raise
+            failed_at = float(open(stamp).read()) if os.path.exists(stamp) else None
+            report_failure(args, exc, failed_at)
     if args.inject_failure is not None:
         print("RESULT: FAIL (the injected failure did not end the run with an error)")
         raise SystemExit(1)
+
+
+def report_failure(args, exc: Exception, failed_at) -> None:
+    """The failure check's verdict: the run ended with an error within ``--failure-timeout`` of the injected one."""
+    if failed_at is None:
+        print(f"RESULT: FAIL (the run ended before the injected failure: {type(exc).__name__}: {exc})")
+        raise SystemExit(1)
+    seconds = time.time() - failed_at
+    first = "the injected error" if "injected failure" in str(exc) else "a peer's error (its link to the failed rank)"
+    ok = seconds <= args.failure_timeout
+    print(f"failure check: every rank ended {seconds:.1f} s after the injected failure, first {first}: "
+          f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
+    print("RESULT:", "PASS" if ok else "FAIL", f"(the run ended with an error, every rank gone, within "
+          f"{args.failure_timeout:g} s of the failure)")
+    raise SystemExit(0 if ok else 1)
 
 
 if __name__ == "__main__":

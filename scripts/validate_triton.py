@@ -102,6 +102,9 @@ def run_fuzz(env: dict, out: str, cases: int, jobs: int, seed: int, timeout: flo
         start, count = k * per, min(per, cases - k * per)
         if count <= 0:
             break
+        stale = os.path.join(folder, f"shard_{k}.json")
+        if os.path.exists(stale):  # (an earlier run's result must not count as this one's)
+            os.remove(stale)
         log = open(os.path.join(folder, f"shard_{k}.txt"), "w")
         cmd = [sys.executable, "-m", "mxmoe.cli", "check", "--fuzz", str(count), "--start", str(start),
                "--seed", str(seed), "--json", os.path.join(folder, f"shard_{k}.json")]

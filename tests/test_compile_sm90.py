@@ -23,6 +23,8 @@ def reports():
     proc = subprocess.run([sys.executable, "-m", "mxmoe._details.sm90"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the kernels ask for FP fusion themselves (Triton 3.9 warns when it is left to the default, 3.10 turns it off)
+    assert "TRITON_DEFAULT_FP_FUSION" not in proc.stderr, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -79,7 +81,9 @@ def _uses_wgmma_without_spills(r):
     fp8_pairs = r["fp8"] and r["config"]["pair"] and r["config"]["block_rows"] == 128
     # The W4A8 prefill kernel's consumers spill in their epilogue (GEMM2's two m-tiles, up to 228 bytes at K = 2880, at
     # 216-224 registers), once per tile, never in the K loop (asserted below)
-    budget = {"gluon": 64, "gluon_ws8": 256}.get(r["kernel"], 32 if fp8_pairs else 0)
+    # The W4A16 warp-specialized kernel spills outside its K loop too: 24 / 0 bytes (GEMM1 / GEMM2) on Triton 3.6, 128 / 8
+    # on 3.9 (its GEMM1 form is compiled here but not picked by ``auto``)
+    budget = {"gluon": 128, "gluon_ws8": 256}.get(r["kernel"], 32 if fp8_pairs else 0)
     if r["kernel"] not in ("gluon", "gluon_ws8") or gluon_validated(triton.__version__):
         assert r["spill_bytes"] <= budget, r
     assert r["k_loop_length"] > 0 and r["k_loop_local"] == 0, r

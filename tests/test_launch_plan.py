@@ -336,3 +336,20 @@ def test_a_release_without_a_known_c_launcher_takes_the_wrapper(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     compiled.run.global_scratch_size = 256  # (a kernel that needs scratch memory: the wrapper allocates it)
     assert launch_plan._launcher(compiled)[0] is wrapper
+
+
+def test_launches_ask_for_fp_fusion_explicitly():
+    """Every launch through the JIT names FP fusion (what the kernels were validated with), so a Triton whose default
+    differs (3.10) compiles the same kernels, and 3.9 does not warn on a user's first call."""
+    from mxmoe._details.launch_plan import KernelLaunch
+
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                seen.update(grid=grid, args=args, meta=meta)
+            return launch
+
+    KernelLaunch(Kernel(), (3,), (1, 2), dict(BLOCK=64)).run()
+    assert seen == dict(grid=(3,), args=(1, 2), meta=dict(enable_fp_fusion=True, BLOCK=64))

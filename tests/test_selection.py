@@ -80,12 +80,27 @@ def test_bad_precision(env, precision):
 
 
 @pytest.mark.parametrize("version,expected", [("3.6.0", True), ("3.6.1+git1234", True), ("3.7.0", False),
+                                              ("3.8.0", False), ("3.9.0", True), ("3.9.1", True),
                                               ("3.5.1", False), ("4.0.0", False)])
 def test_auto_kernel_takes_gluon_only_on_the_validated_triton(version, expected):
     """``MXMOE_KERNEL=auto`` picks the Gluon kernel only under the Triton release it was measured on."""
     from mxmoe._details.config import gluon_validated
 
     assert gluon_validated(version) is expected
+
+
+def test_every_validated_triton_names_its_date_and_evidence():
+    """Each release on the list says when it was validated and where the evidence is (a file in the repository)."""
+    import re
+
+    from mxmoe._details.config import GLUON_VALIDATED_TRITON
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for release, evidence in GLUON_VALIDATED_TRITON.items():
+        assert re.fullmatch(r"\d+\.\d+", release), release
+        assert re.match(r"\d{4}-\d{2}-\d{2}, ", evidence), evidence
+        files = re.findall(r"docs/[\w./-]+\.(?:md|json)", evidence)
+        assert files and all(os.path.exists(os.path.join(root, f)) for f in files), evidence
 
 
 @pytest.mark.parametrize("value", ["fast", "GLUON", "gluon2"])

@@ -17,8 +17,17 @@ def _table(entries, device="NVIDIA H100 80GB HBM3"):
     return dict(format=tuned.FORMAT, device=device, entries=entries)
 
 
-def _entry(tokens, gemm1=None, gemm2=None, precision="w4a16", shape=SHAPE, **more):
-    return dict(shape=list(shape), precision=precision, tokens=tokens, gemm1=gemm1 or {}, gemm2=gemm2 or {}, **more)
+SMALL = dict(kernel="gluon_small", block_rows=16, sub_tiles=1)
+KIND = ((SMALL["kernel"], 16, 1), (SMALL["kernel"], 16, 1))
+
+
+def _entry(tokens, gemm1=None, gemm2=None, precision="w4a16", shape=SHAPE, default=None, **more):
+    return dict(shape=list(shape), precision=precision, tokens=tokens, gemm1=gemm1 or {}, gemm2=gemm2 or {},
+                default=default or dict(gemm1=SMALL, gemm2=SMALL), **more)
+
+
+def _fields(entry):
+    return None if entry is None else (entry.gemm1, entry.gemm2)
 
 
 def test_a_call_falls_in_the_smallest_bucket_at_or_above_its_tokens():
@@ -28,7 +37,7 @@ def test_a_call_falls_in_the_smallest_bucket_at_or_above_its_tokens():
 
 def test_a_table_may_set_speed_fields_only():
     ok = tuned.check_table(_table([_entry(64, dict(num_stages=5), dict(pair=True))]))
-    assert ok == {("NVIDIA H100 80GB HBM3", SHAPE, "w4a16", 64): ({"num_stages": 5}, {"pair": True})}
+    assert ok == {("NVIDIA H100 80GB HBM3", SHAPE, "w4a16", 64): tuned.Entry({"num_stages": 5}, {"pair": True}, KIND)}
     for fields in (dict(k_split=2), dict(promote=4), dict(kernel="gluon"), dict(block_k=128)):
         with pytest.raises(ValueError, match="may set only"):
             tuned.check_table(_table([_entry(64, fields)]))
@@ -40,6 +49,13 @@ def test_a_table_may_set_speed_fields_only():
         tuned.check_table(dict(_table([]), format=0))
     with pytest.raises(ValueError, match="precision"):
         tuned.check_table(_table([_entry(64, precision="fp8")]))
+    with pytest.raises(ValueError, match="default"):
+        tuned.check_table(_table([_entry(64, default=dict(gemm1=SMALL))]))
+    # W4A16 at up to DIRECT_MAX_TOKENS runs without a route pack: a tile height there would turn that path off
+    with pytest.raises(ValueError, match="without a route pack"):
+        tuned.check_table(_table([_entry(4, dict(block_rows=16), dict(block_rows=16))]))
+    tuned.check_table(_table([_entry(4, dict(block_rows=16), dict(block_rows=16), precision="w4a8"),
+                              _entry(8, dict(block_rows=16), dict(block_rows=16))]))
 
 
 def test_lookup_keys_on_device_shape_path_and_bucket(tmp_path):
@@ -48,11 +64,11 @@ def test_lookup_keys_on_device_shape_path_and_bucket(tmp_path):
     b.write_text(json.dumps(_table([_entry(64, dict(num_stages=6))])))
     entries = tuned.load_tables([str(a), str(b)])  # the later file wins
     name = "NVIDIA H100 80GB HBM3"
-    assert tuned.lookup(name, SHAPE, "w4a16", 9, entries) == ({"num_stages": 3}, {})
-    assert tuned.lookup(name, SHAPE, "w4a16", 33, entries) == ({"num_stages": 6}, {})
-    assert tuned.lookup(name, SHAPE, "w4a8", 64, entries) == ({}, {})
-    assert tuned.lookup("NVIDIA H200", SHAPE, "w4a16", 64, entries) == ({}, {})
-    assert tuned.lookup(name, (128, 2880, 2880, 4), "w4a16", 64, entries) == ({}, {})
+    assert _fields(tuned.lookup(name, SHAPE, "w4a16", 9, entries)) == ({"num_stages": 3}, {})
+    assert _fields(tuned.lookup(name, SHAPE, "w4a16", 33, entries)) == ({"num_stages": 6}, {})
+    assert tuned.lookup(name, SHAPE, "w4a8", 64, entries) is None
+    assert tuned.lookup("NVIDIA H200", SHAPE, "w4a16", 64, entries) is None
+    assert tuned.lookup(name, (128, 2880, 2880, 4), "w4a16", 64, entries) is None
 
 
 def test_the_environment_names_an_extra_table(tmp_path, monkeypatch):
@@ -61,11 +77,11 @@ def test_the_environment_names_an_extra_table(tmp_path, monkeypatch):
     monkeypatch.setenv(tuned.ENV, str(extra))
     tuned.reload()
     try:
-        assert tuned.lookup("Some GPU", SHAPE, "w4a16", 3) == ({"num_stages": 2}, {})
+        assert _fields(tuned.lookup("Some GPU", SHAPE, "w4a16", 3)) == ({"num_stages": 2}, {})
     finally:
         monkeypatch.delenv(tuned.ENV)
         tuned.reload()
-    assert tuned.lookup("Some GPU", SHAPE, "w4a16", 3) == ({}, {})
+    assert tuned.lookup("Some GPU", SHAPE, "w4a16", 3) is None
 
 
 def test_an_unreadable_table_is_named(tmp_path):
@@ -92,6 +108,57 @@ def test_write_table_merges_the_buckets_measured_now(tmp_path):
     assert table["command"] == "second" and table["device"] == "GPU X"
     with pytest.raises(ValueError, match="GPU X"):
         write_table(path, "GPU Y", [], "third")
+    with pytest.raises(ValueError, match="cannot write"):
+        write_table(str(tmp_path / "no" / "such" / "t.json"), "GPU X", [], "fourth")
+    (tmp_path / "old.json").write_text(json.dumps(dict(_table([]), format=1)))
+    with pytest.raises(ValueError, match="cannot be merged"):
+        write_table(str(tmp_path / "old.json"), "NVIDIA H100 80GB HBM3", [], "fifth")
+
+
+def test_an_entry_applies_only_where_the_heuristics_pick_the_kind_it_was_measured_on():
+    """An entry measured at its bucket's top on 32-row tiles of the small kernel does not reach a call of the same
+    bucket whose heuristics pick 16-row tiles (its fields were not measured there)."""
+    from types import SimpleNamespace as C
+
+    entry = tuned.Entry({"num_stages": 5}, {}, (("gluon_small", 32, 1), ("gluon_small", 32, 1)))
+    small32, small16 = C(kernel="gluon_small", block_rows=32, sub_tiles=1), C(kernel="gluon_small", block_rows=16,
+                                                                             sub_tiles=1)
+    assert entry.fits(small32, small32)
+    assert not entry.fits(small16, small16) and not entry.fits(small32, small16)
+    assert not entry.fits(C(kernel="gluon_ws8", block_rows=32, sub_tiles=1), small32)
+
+
+def test_configs_take_a_fitting_entry_and_fall_back_to_the_heuristics_otherwise(monkeypatch):
+    """``launch._configs`` (the CPU picks no Gluon kernel, so the kernel choice is stubbed to the small one): a
+    fitting entry's fields arrive in the configs; an entry of another kind, or one whose fields this call cannot
+    take, leaves the heuristics' configs."""
+    from types import SimpleNamespace
+
+    from mxmoe._details import launch
+
+    E, H, I, top_k, T = SHAPE[0], SHAPE[1], SHAPE[2], SHAPE[3], 64
+    x = SimpleNamespace(device=SimpleNamespace(type="cuda"), data_ptr=lambda: 0, stride=lambda d: H, shape=(T, H))
+    experts = SimpleNamespace(num_experts=E, hidden_size=H, intermediate_size=I)
+    monkeypatch.setattr(launch, "kernel_choice", lambda *a, **k: "gluon_small")
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    with overrides_off():
+        base1, base2 = launch._configs(x, experts, top_k, T * top_k, False)
+    kinds = (tuned.kind(base1), tuned.kind(base2))
+    stages = base1.num_stages + 1
+    for entry, expected in ((tuned.Entry({"num_stages": stages}, {}, kinds), stages),
+                            (tuned.Entry({"num_stages": stages}, {}, (("gluon_small", 999, 1), kinds[1])),
+                             base1.num_stages),
+                            # (GEMM1 takes no pair: a ValueError, the heuristics' configs)
+                            (tuned.Entry({"num_stages": stages, "pair": True}, {}, kinds), base1.num_stages)):
+        monkeypatch.setattr(tuned, "lookup", lambda *a, _e=entry, **k: _e)
+        cfg1, cfg2 = launch._configs(x, experts, top_k, T * top_k, False)
+        assert cfg1.num_stages == expected and cfg2 == base2
+
+
+def overrides_off():
+    from mxmoe._details.config import overrides
+
+    return overrides(tuned=False)
 
 
 @pytest.mark.gpu
@@ -111,7 +178,8 @@ def test_the_shipped_entries_of_this_gpu_change_speed_only():
     if not mine:
         pytest.skip(f"no shipped entries for {name}")
     experts = {}
-    for (_, shape, precision, T), (g1, g2) in mine:
+    for (_, shape, precision, T), entry in mine:
+        g1, g2 = entry.gemm1, entry.gemm2
         if shape not in experts:
             experts.clear()
             experts[shape] = prepare_weights(**testing.random_code_sources(*shape[:3], seed=1, device=device))

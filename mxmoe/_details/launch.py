@@ -214,8 +214,9 @@ def run_fused_moe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: Lay
 
 
 def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) -> tuple[GemmConfig, GemmConfig]:
-    """Both GEMMs' configs (on one route pack) for ``routes`` routed rows of ``x``'s tokens: the tuned tables'
-    fields (``tuned``) under the current overrides."""
+    """Both GEMMs' configs (on one route pack) for ``routes`` routed rows of ``x``'s tokens under the current
+    overrides: the heuristics', or with the tuned tables' fields (``tuned``) where the call's bucket has an entry
+    measured on the same kind of configs (``tuned.Entry.fits``)."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     # the Gluon kernels: whole 64-K stages; cp.async copies whole 16-byte pieces of the rows
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
@@ -223,24 +224,33 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
     changes = current_overrides()
     kernels = (kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=True, k=H),
                kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=False, n=H, k=I))
-    table1, table2 = {}, {}
+
+    def build(table1: dict, table2: dict) -> tuple[GemmConfig, GemmConfig]:
+        cfg1 = gemm_config(routes, E, I, H, fp8, {**table1, **changes.gemm1}, kernels[0], gemm1=True, sm_count=sms)
+        cfg2 = gemm_config(routes, E, H, I, fp8, {**table2, **changes.gemm2}, kernels[1], gemm1=False)
+        if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
+            ws8, other = (cfg1, cfg2) if cfg1.kernel == "gluon_ws8" else (cfg2, cfg1)
+            if other.block_rows * other.sub_tiles != ws8.block_rows:
+                pinned = dict(block_rows=ws8.block_rows, sub_tiles=1)
+                if other is cfg2:
+                    cfg2 = gemm_config(routes, E, H, I, fp8, {**table2, **pinned, **changes.gemm2}, kernels[1],
+                                       gemm1=False)
+                else:
+                    cfg1 = gemm_config(routes, E, I, H, fp8, {**table1, **pinned, **changes.gemm1}, kernels[0],
+                                       gemm1=True, sm_count=sms)
+        assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
+        return cfg1, cfg2
+
+    untuned = build({}, {})
     if changes.tuned and x.device.type == "cuda" and "gluon" in kernels[0] and "gluon" in kernels[1]:
-        table1, table2 = tuned.lookup(x.device, (E, H, I, top_k), "w4a8" if fp8 else "w4a16", x.shape[0])
-        if table1.get("block_rows", TILE_ROWS[0]) not in pack_tile_heights(routes, E):  # (what a workspace holds)
-            table1, table2 = ({k: v for k, v in t.items() if k != "block_rows"} for t in (table1, table2))
-    cfg1 = gemm_config(routes, E, I, H, fp8, {**table1, **changes.gemm1}, kernels[0], gemm1=True, sm_count=sms)
-    cfg2 = gemm_config(routes, E, H, I, fp8, {**table2, **changes.gemm2}, kernels[1], gemm1=False)
-    if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
-        ws8, other = (cfg1, cfg2) if cfg1.kernel == "gluon_ws8" else (cfg2, cfg1)
-        if other.block_rows * other.sub_tiles != ws8.block_rows:
-            pinned = dict(block_rows=ws8.block_rows, sub_tiles=1)
-            if other is cfg2:
-                cfg2 = gemm_config(routes, E, H, I, fp8, {**pinned, **changes.gemm2}, kernels[1], gemm1=False)
-            else:
-                cfg1 = gemm_config(routes, E, I, H, fp8, {**pinned, **changes.gemm1}, kernels[0], gemm1=True,
-                                   sm_count=sms)
-    assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
-    return cfg1, cfg2
+        entry = tuned.lookup(x.device, (E, H, I, top_k), "w4a8" if fp8 else "w4a16", x.shape[0])
+        if entry is not None and entry.fits(*untuned) \
+                and entry.gemm1.get("block_rows", TILE_ROWS[0]) in pack_tile_heights(routes, E):  # (a workspace's)
+            try:
+                return build(entry.gemm1, entry.gemm2)
+            except ValueError:  # fields this call's shape of work does not take (a bucket's lower T): untuned
+                pass
+    return untuned
 
 
 def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out, workspace,

@@ -113,7 +113,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
                  if t.startswith("*") or n in _INT_ARGS_DIVISIBLE}
     sig.update({c: "constexpr" for c in const})
-    options = dict(num_warps=cfg.num_warps)
+    options = dict(num_warps=cfg.num_warps, enable_fp_fusion=True)  # (as the launches: KernelLaunch.run)
     if cfg.maxnreg:
         options["maxnreg"] = cfg.maxnreg
     return triton.compile(source(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
