@@ -234,7 +234,8 @@ def main() -> int:
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "tk_smoke.json"), "w") as f:
-            json.dump(record, f, indent=1, default=str)
+            # (objects as their type only: printing a CUDA tensor after a device fault raises mid-file)
+            json.dump(record, f, indent=1, default=lambda o: f"<{type(o).__name__}>")
         with open(os.path.join(out_dir, "tk_smoke.txt"), "w") as f:
             f.write(LOG.getvalue())
     return 0

@@ -251,15 +251,18 @@ def test_fused_silu_mul_reads_interleaved_gate_up(silu_mul_kernel, limit):
 # ---------------------------------------------------------------- the data flow, emulated
 
 
-def _emulate(x, experts, w, ids):
+def _emulate(x, experts, w, ids, hidden=0, intermediate=0):
     """matmul_ogs' MoE as its kernels define it (_matmul_ogs: X row GatherIndx.src // top_k, bias, fused activation,
     gammas at the sorted position, write-back to row ScatterIndx.dst; matmul_ogs: the top-k rows summed by reduce),
-    in torch on the arm's tensors: interleaved gate/up, expert-sorted routes."""
+    in torch on the arm's tensors: interleaved gate/up, expert-sorted routes (padded to ``hidden`` / ``intermediate``
+    as the arm pads them, ``x`` then with zero columns)."""
     from mxmoe.activation import apply_activation
 
     E, k = experts.num_experts, ids.shape[1]
     T = x.shape[0]
-    t = arms.triton_kernels_mxfp4_tensors(experts)
+    t = arms.triton_kernels_mxfp4_tensors(experts, hidden, intermediate)
+    if t["w13"].shape[2] * 2 > x.shape[1]:
+        x = torch.nn.functional.pad(x, (0, t["w13"].shape[2] * 2 - x.shape[1]))
     w13 = mxmoe.dequantize_mxfp4(t["w13"], t["w13_scale"])  # [E, 2I, H], interleaved rows
     w2 = mxmoe.dequantize_mxfp4(t["w2"], t["w2_scale"])
     col, row, hist = arms.triton_kernels_route_indices(ids, E)
@@ -276,6 +279,22 @@ def _emulate(x, experts, w, ids):
         y = (h[lo:hi] @ w2[e].T) * gate[lo:hi, None]
         routed[col[lo:hi].long()] = y.bfloat16().float()  # each route's row, in token order
     return routed.view(T, k, -1).sum(1).bfloat16()
+
+
+def test_padded_sizes_give_the_same_outputs():
+    """The arm pads H and I (zero values, zero biases) as serving engines do for its Hopper path: the output's first H
+    columns are the unpadded flow's, the rest zero."""
+    E, H, I, k, T = 4, 64, 96, 2, 11
+    experts, _ = testing.make_experts(E, H, I, seed=5, biases=True)
+    w, ids, _, _ = testing.make_routing("uniform", T, E, k, seed=5)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).bfloat16()
+    t = arms.triton_kernels_mxfp4_tensors(experts, 256, 128)
+    assert [tuple(t[n].shape) for n in ("w13", "w13_scale", "w2", "w2_scale", "b13", "b2")] == \
+        [(E, 256, 128), (E, 256, 8), (E, 256, 64), (E, 256, 4), (E, 256), (E, 256)]
+    plain = _emulate(x, experts, w, ids)
+    padded = _emulate(x, experts, w, ids, 256, 128)
+    torch.testing.assert_close(padded[:, :H].float(), plain.float(), rtol=1e-2, atol=1e-3)
+    assert relative_l2(padded[:, :H], plain) < 1e-3 and not padded[:, H:].any()
 
 
 def test_emulated_data_flow_matches_the_reference():
@@ -305,9 +324,11 @@ def test_prepare_builds_matmul_ogs_operands(monkeypatch, activation):
         experts = experts.with_activation(activation)
     arm = arms.TritonKernelsArm()
     arm.prepare(experts, Shape(E, H, I, 2), 8)
-    assert list(arm.w13.shape) == [E, H, 2 * I] and list(arm.w2.shape) == [E, I, H]
-    assert list(arm.pc13.weight_scale.shape) == [E, H // 32, 2 * I]
-    assert list(arm.pc2.weight_scale.shape) == [E, I // 32, H]
+    Hp, Ip = 256, 128  # (padded as its Hopper path is given them: TRITON_KERNELS_PAD_*)
+    assert (arm.hidden, arm.intermediate) == (Hp, Ip) and "padded to 256, 128" in arm.note
+    assert list(arm.w13.shape) == [E, Hp, 2 * Ip] and list(arm.w2.shape) == [E, Ip, Hp]
+    assert list(arm.pc13.weight_scale.shape) == [E, Hp // 32, 2 * Ip]
+    assert list(arm.pc2.weight_scale.shape) == [E, Ip // 32, Hp]
     assert arm.act.specs.reduction_n == 2 and arm.route_by_topk
     if activation:  # its own swiglu: gpt-oss's swigluoai with mxmoe's default alpha and limit
         assert arm.act.specs.name == "swiglu" and arm.act.fn_args == (1.702, 7.0)

@@ -428,6 +428,15 @@ class HummingW4A8Arm(HummingArm):
 # the top-k sum: _reduce) are not matched.
 TRITON_KERNELS_GEMM_KERNEL = re.compile(r"^_(?:p_)?matmul(?:_ogs)?_")
 TRITON_KERNELS_NUM_WARPS = 8  # the Hopper scale layout's warps, which the GEMMs then run with (vLLM's choice)
+# The sizes its Hopper MXFP4 path is given, as serving engines pad them at load time (SGLang's triton_kernels MXFP4
+# path: hidden to 256, intermediate to 128): unpadded, gpt-oss's H = I = 2880 gave wrong sums and an illegal
+# address on an H100 (docs/perf-notes.md step 41), while 256 x 256 ran right
+TRITON_KERNELS_PAD_HIDDEN = 256
+TRITON_KERNELS_PAD_INTERMEDIATE = 128
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 @triton.jit(repr=lambda _: "_mxmoe_silu_mul")
@@ -450,12 +459,14 @@ def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     return _from_gate_up(t, "interleaved").contiguous()
 
 
-def triton_kernels_mxfp4_tensors(experts: PreparedExperts) -> dict:
+def triton_kernels_mxfp4_tensors(experts: PreparedExperts, hidden: int = 0, intermediate: int = 0) -> dict:
     """The experts' MXFP4 bytes as triton_kernels' MoE GEMMs take them, before its layout conversion: ``w13``
     uint8 ``[E, 2I, H/2]`` (E2M1 pairs, low nibble first) with rows gate/up interleaved (:func:`interleave_gate_up`)
     and ``w13_scale`` uint8 ``[E, 2I, H/32]`` the same; ``w2`` ``[E, H, I/2]``, ``w2_scale`` ``[E, H, I/32]``; ``b13``
     (FP32, interleaved) and ``b2`` where the experts have biases. The scale bytes are the prepared ones (a zero
-    block's byte may be lowered, :func:`mxmoe.prepare.kernel_scales`: the same values decode)."""
+    block's byte may be lowered, :func:`mxmoe.prepare.kernel_scales`: the same values decode). ``hidden`` /
+    ``intermediate`` larger than H / I: padded to them with zero values (scale byte 127), zero biases: the extra
+    gate/up pairs give zero activations, the extra output columns zeros, the sums over the padded K the same."""
     w13, w2 = experts.source_order_weights()
     out = {"w13": interleave_gate_up(w13), "w13_scale": interleave_gate_up(experts.w13_scale),
            "w2": w2.contiguous(), "w2_scale": experts.w2_scale.contiguous()}
@@ -463,6 +474,16 @@ def triton_kernels_mxfp4_tensors(experts: PreparedExperts) -> dict:
         out["b13"] = interleave_gate_up(experts.b13.float().unsqueeze(-1)).squeeze(-1).contiguous()
     if experts.b2 is not None:
         out["b2"] = experts.b2.float().contiguous()
+    H, I = experts.hidden_size, experts.intermediate_size
+    Hp, Ip = max(hidden, H), max(intermediate, I)
+    if (Hp, Ip) != (H, I):
+        sizes = {"w13": (2 * Ip, Hp // 2), "w13_scale": (2 * Ip, Hp // 32), "w2": (Hp, Ip // 2),
+                 "w2_scale": (Hp, Ip // 32), "b13": (2 * Ip,), "b2": (Hp,)}
+        for name, t in out.items():
+            fill = 127 if name.endswith("_scale") else 0
+            padded = torch.full((t.shape[0], *sizes[name]), fill, dtype=t.dtype, device=t.device)
+            padded[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
+            out[name] = padded
     return out
 
 
@@ -546,7 +567,9 @@ class TritonKernelsArm(Arm):
         if experts.w13_global_scale is not None or experts.w2_global_scale is not None:
             raise NotImplementedError("per-expert global scales are not wired into the triton_kernels arm")
         self.shape = shape
-        src = triton_kernels_mxfp4_tensors(experts)
+        self.hidden = _round_up(shape.H, TRITON_KERNELS_PAD_HIDDEN)
+        self.intermediate = _round_up(shape.I, TRITON_KERNELS_PAD_INTERMEDIATE)
+        src = triton_kernels_mxfp4_tensors(experts, self.hidden, self.intermediate)
         self.w13, s13 = triton_kernels_weight(src["w13"], src["w13_scale"])
         self.w2, s2 = triton_kernels_weight(src["w2"], src["w2_scale"])
         self.b13, self.b2 = src.get("b13"), src.get("b2")
@@ -565,9 +588,11 @@ class TritonKernelsArm(Arm):
             act_note = f"its swiglu (alpha {act.alpha}, limit {act.limit}) fused in its GEMM1"
         self.route_by_topk = shape.top_k & (shape.top_k - 1) == 0  # its topk kernel needs a power-of-2 top_k
         layouts = f"{type(self.w13.storage.layout).__name__} / {type(s13.storage.layout).__name__}"
+        pads = ("" if (self.hidden, self.intermediate) == (shape.H, shape.I) else
+                f"; H, I padded to {self.hidden}, {self.intermediate} (x copied into a zero-padded buffer per call)")
         self.note = (f"weights in {layouts}; {act_note}; routing by "
                      + ("its topk kernel with the ids given" if self.route_by_topk else
-                        "torch argsort (top_k not a power of 2) and its ragged metadata"))
+                        "torch argsort (top_k not a power of 2) and its ragged metadata") + pads)
 
     def _routing(self, inp: Inputs):
         """Per call: matmul_ogs' RoutingData, GatherIndx and ScatterIndx for ``inp``'s ids and weights."""
@@ -598,16 +623,20 @@ class TritonKernelsArm(Arm):
         from triton_kernels.matmul_ogs import matmul_ogs
 
         s = self.shape
-        out = torch.empty_like(inp.x)
-        h = torch.empty(inp.T * s.top_k, s.I, dtype=inp.x.dtype, device=inp.x.device)  # GEMM1 out, sorted rows
+        padded = self.hidden != s.H
+        x = torch.zeros(inp.T, self.hidden, dtype=inp.x.dtype, device=inp.x.device) if padded else inp.x
+        out = torch.empty(inp.T, self.hidden, dtype=inp.x.dtype, device=inp.x.device)
+        h = torch.empty(inp.T * s.top_k, self.intermediate, dtype=inp.x.dtype, device=inp.x.device)  # GEMM1 out
 
         def call():
+            if padded:  # (the pad columns stay zero)
+                x[:, : s.H].copy_(inp.x)
             routing, gather, scatter = self._routing(inp)
-            matmul_ogs(inp.x, self.w13, self.b13, routing, gather_indx=gather, precision_config=self.pc13,
+            matmul_ogs(x, self.w13, self.b13, routing, gather_indx=gather, precision_config=self.pc13,
                        fused_activation=self.act, y=h)
             matmul_ogs(h, self.w2, self.b2, routing, scatter_indx=scatter, precision_config=self.pc2,
                        gammas=routing.gate_scal, y=out)
-            return out
+            return out[:, : s.H]
 
         return call
 
