@@ -28,7 +28,7 @@ from typing import Optional, Sequence, TextIO
 import torch
 import triton
 from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from . import testing
 from ._details import launch, tuned
@@ -126,7 +126,7 @@ class Tuner:
             nonlocal best, tried
             try:
                 out, fn = self._timer(run, g1, g2)
-            except (ValueError, OutOfResources, CompilationError) as exc:  # not valid here, or does not compile
+            except (ValueError, OutOfResources, CompilationError, PTXASError) as exc:  # not valid, or no compile
                 return f"not run: {type(exc).__name__}: {str(exc)[:80]}"
             # (anything else, a CUDA fault say, ends the run: the GPU's state is no longer to be trusted)
             tried += 1

@@ -17,8 +17,8 @@ def _table(entries, device="NVIDIA H100 80GB HBM3"):
     return dict(format=tuned.FORMAT, device=device, entries=entries)
 
 
-SMALL = dict(kernel="gluon_small", block_rows=16, sub_tiles=1)
-KIND = ((SMALL["kernel"], 16, 1), (SMALL["kernel"], 16, 1))
+SMALL = dict(kernel="gluon_small", block_rows=16, sub_tiles=1, k_split=1, k_parts=1)
+KIND = (("gluon_small", 16, 1, 1, 1), ("gluon_small", 16, 1, 1, 1))
 
 
 def _entry(tokens, gemm1=None, gemm2=None, precision="w4a16", shape=SHAPE, default=None, **more):
@@ -120,12 +120,14 @@ def test_an_entry_applies_only_where_the_heuristics_pick_the_kind_it_was_measure
     bucket whose heuristics pick 16-row tiles (its fields were not measured there)."""
     from types import SimpleNamespace as C
 
-    entry = tuned.Entry({"num_stages": 5}, {}, (("gluon_small", 32, 1), ("gluon_small", 32, 1)))
-    small32, small16 = C(kernel="gluon_small", block_rows=32, sub_tiles=1), C(kernel="gluon_small", block_rows=16,
-                                                                             sub_tiles=1)
-    assert entry.fits(small32, small32)
-    assert not entry.fits(small16, small16) and not entry.fits(small32, small16)
-    assert not entry.fits(C(kernel="gluon_ws8", block_rows=32, sub_tiles=1), small32)
+    def cfg(kernel="gluon_small", block_rows=32, k_split=1):
+        return C(kernel=kernel, block_rows=block_rows, sub_tiles=1, k_split=k_split, k_parts=1)
+
+    entry = tuned.Entry({"num_stages": 5}, {}, (tuned.kind(cfg()), tuned.kind(cfg())))
+    assert entry.fits(cfg(), cfg())
+    assert not entry.fits(cfg(block_rows=16), cfg(block_rows=16)) and not entry.fits(cfg(), cfg(block_rows=16))
+    assert not entry.fits(cfg(kernel="gluon_ws8"), cfg())
+    assert not entry.fits(cfg(k_split=2), cfg())  # (the K split: another form of the kernel)
 
 
 def test_configs_take_a_fitting_entry_and_fall_back_to_the_heuristics_otherwise(monkeypatch):
@@ -146,7 +148,7 @@ def test_configs_take_a_fitting_entry_and_fall_back_to_the_heuristics_otherwise(
     kinds = (tuned.kind(base1), tuned.kind(base2))
     stages = base1.num_stages + 1
     for entry, expected in ((tuned.Entry({"num_stages": stages}, {}, kinds), stages),
-                            (tuned.Entry({"num_stages": stages}, {}, (("gluon_small", 999, 1), kinds[1])),
+                            (tuned.Entry({"num_stages": stages}, {}, (("gluon_small", 999, 1, 1, 1), kinds[1])),
                              base1.num_stages),
                             # (GEMM1 takes no pair: a ValueError, the heuristics' configs)
                             (tuned.Entry({"num_stages": stages, "pair": True}, {}, kinds), base1.num_stages)):

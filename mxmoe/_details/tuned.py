@@ -5,13 +5,14 @@ A table is JSON (``mxmoe tune`` writes one; the package ships ``mxmoe/configs/*.
     {"format": 2, "device": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "measured": "...",
      "entries": [{"shape": [E, H, I, top_k], "precision": "w4a16", "tokens": 64,
                   "gemm1": {"num_stages": 5}, "gemm2": {},
-                  "default": {"gemm1": {"kernel": "gluon_small", "block_rows": 16, "sub_tiles": 1}, "gemm2": {...}},
+                  "default": {"gemm1": {"kernel": "gluon_small", "block_rows": 16, "sub_tiles": 1, "k_split": 1,
+                                        "k_parts": 1}, "gemm2": {...}},
                   "ms": 0.061, "default_ms": 0.066}, ...]}
 
 An entry holds for calls of its device (``torch.cuda.get_device_name``), shape and path whose token count falls in its
 bucket: the smallest of :data:`TOKEN_BUCKETS` at or above ``T`` (past the last, the last). It was measured at one T
-(the bucket's top), on the configs the heuristics picked there (``default``: kernel family and route-tile height per
-GEMM); a call of the same bucket whose heuristics pick another kind of config does not take it (the fields were not
+(the bucket's top), on the configs the heuristics picked there (``default``: kernel family, route tiles and K split
+per GEMM); a call of the same bucket whose heuristics pick another kind of config does not take it (the fields were not
 measured there and may not fit). Its ``gemm1`` / ``gemm2`` fields go on top of what ``config.gemm_config`` picks,
 under any ``config.overrides`` (those win). Only :data:`SPEED_FIELDS` may appear: fields that change how a GEMM is
 scheduled, never its arithmetic (the K split, the FP8 chain length and the kernel family stay the library's choice),
@@ -51,11 +52,12 @@ class Entry:
         return (kind(untuned1), kind(untuned2)) == self.default
 
 
-KIND_FIELDS = ("kernel", "block_rows", "sub_tiles")
+KIND_FIELDS = ("kernel", "block_rows", "sub_tiles", "k_split", "k_parts")
 
 
 def kind(cfg) -> tuple:
-    """What of a GEMM's config an entry's fields depend on: the kernel family and the route tiles."""
+    """What of a GEMM's config an entry's fields depend on: the kernel family, the route tiles and the K split (which
+    of the heuristics' forms of the kernel runs)."""
     return tuple(getattr(cfg, f) for f in KIND_FIELDS)
 
 
@@ -78,7 +80,8 @@ def check_table(table: Mapping, where: str = "table") -> dict:
     """``{(device, (E, H, I, top_k), precision, bucket): Entry}`` of a table; ``ValueError`` naming what is wrong
     (format, a field outside :data:`SPEED_FIELDS`, a token count that is not a bucket, no ``default``)."""
     if table.get("format") != FORMAT:
-        raise ValueError(f"{where}: format {table.get('format')!r}, expected {FORMAT} (tune again with this release)")
+        raise ValueError(f"{where}: format {table.get('format')!r}, expected {FORMAT}: an older release's table; delete "
+                         "it (or name another) and tune again")
     device = table.get("device")
     if not isinstance(device, str) or not device:
         raise ValueError(f"{where}: no device name")
