@@ -12,8 +12,8 @@ host work, and candidates run under ``config.overrides``, where launch plans do 
 JIT's host time); CUDA events, the median of ``samples`` back-to-back replays after a warm-up. Inputs as the bench's:
 random MXFP4 codes (scale bytes 118-122) and a uniform routing.
 
-An entry is measured at one T, its bucket's top, and records the kind of config the heuristics picked there (kernel
-family and route tiles per GEMM): calls of the bucket whose heuristics pick another kind do not take it. Tables
+An entry is measured at one T, its bucket's top, and records the kind of config the heuristics picked there
+(``tuned.kind``: kernel family, route tiles and K split per GEMM): calls of the bucket whose heuristics pick another kind do not take it. Tables
 apply to the Gluon kernels only; a bucket the library runs on the plain-Triton kernels is not tuned.
 """
 from __future__ import annotations
@@ -112,8 +112,7 @@ class Tuner:
         routes = T * shape.top_k
         with overrides(tuned=False):
             cfg1, cfg2 = launch._configs(inp.x, self.problem.experts, shape.top_k, routes, precision == "w4a8")
-        untuned = {"gemm1": dict(zip(tuned.KIND_FIELDS, tuned.kind(cfg1))),
-                   "gemm2": dict(zip(tuned.KIND_FIELDS, tuned.kind(cfg2)))}
+        untuned = {g: dict(zip(tuned.KIND_FIELDS, tuned.kind(c))) for g, c in (("gemm1", cfg1), ("gemm2", cfg2))}
         if "gluon" not in cfg1.kernel or "gluon" not in cfg2.kernel:
             self._say(T, precision, "skipped", f"runs the plain-Triton kernels here ({cfg1.kernel}, {cfg2.kernel}): "
                       "tables apply to the Gluon kernels only")

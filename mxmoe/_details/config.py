@@ -227,10 +227,15 @@ def gemm2_pair_fits(n: int) -> bool:
     return n % 128 == 0
 
 
+def triton_release(version: str) -> str:
+    """The major.minor release of a Triton version string (``"3.6.1+git1234"`` -> ``"3.6"``)."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
 @functools.cache
 def gluon_validated(version: str) -> bool:
     """Whether ``auto`` may pick the Gluon kernel under Triton ``version`` (e.g. ``"3.6.0"``)."""
-    return ".".join(version.split("+")[0].split(".")[:2]) in GLUON_VALIDATED_TRITON
+    return triton_release(version) in GLUON_VALIDATED_TRITON
 
 
 @functools.cache

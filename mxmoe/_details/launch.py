@@ -226,19 +226,20 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
     kernels = (kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=True, k=H),
                kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=False, n=H, k=I))
 
+    def config(gemm1: bool, fields: dict) -> GemmConfig:  # (the overrides win over the fields)
+        if gemm1:
+            return gemm_config(routes, E, I, H, fp8, {**fields, **changes.gemm1}, kernels[0], gemm1=True, sm_count=sms)
+        return gemm_config(routes, E, H, I, fp8, {**fields, **changes.gemm2}, kernels[1], gemm1=False)
+
     def build(table1: dict, table2: dict) -> tuple[GemmConfig, GemmConfig]:
-        cfg1 = gemm_config(routes, E, I, H, fp8, {**table1, **changes.gemm1}, kernels[0], gemm1=True, sm_count=sms)
-        cfg2 = gemm_config(routes, E, H, I, fp8, {**table2, **changes.gemm2}, kernels[1], gemm1=False)
+        cfg1, cfg2 = config(True, table1), config(False, table2)
         if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
-            ws8, other = (cfg1, cfg2) if cfg1.kernel == "gluon_ws8" else (cfg2, cfg1)
-            if other.block_rows * other.sub_tiles != ws8.block_rows:
-                pinned = dict(block_rows=ws8.block_rows, sub_tiles=1)
-                if other is cfg2:
-                    cfg2 = gemm_config(routes, E, H, I, fp8, {**table2, **pinned, **changes.gemm2}, kernels[1],
-                                       gemm1=False)
-                else:
-                    cfg1 = gemm_config(routes, E, I, H, fp8, {**table1, **pinned, **changes.gemm1}, kernels[0],
-                                       gemm1=True, sm_count=sms)
+            ws8 = cfg1 if cfg1.kernel == "gluon_ws8" else cfg2
+            pinned = dict(block_rows=ws8.block_rows, sub_tiles=1)
+            if ws8 is cfg1 and cfg2.block_rows * cfg2.sub_tiles != ws8.block_rows:
+                cfg2 = config(False, {**table2, **pinned})
+            elif ws8 is cfg2 and cfg1.block_rows * cfg1.sub_tiles != ws8.block_rows:
+                cfg1 = config(True, {**table1, **pinned})
         assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
         return cfg1, cfg2
 
@@ -379,8 +380,9 @@ def plan_key(pointers, strides: tuple, weights, extras, all_fold, topk_weights, 
 
 def _plans_apply(x) -> bool:
     """Plans apply on CUDA, on a Triton release the kernels were validated on (``launch_plan._launcher`` calls each
-    compiled kernel's launcher in that release's form), with the library's own settings (``config.overrides`` unset: tools and tests
-    launch through the JIT), and while no Triton launch hook listens (a profiler gets every launch's metadata)."""
+    compiled kernel's launcher in that release's form), with the library's own settings (``config.overrides`` unset:
+    tools and tests launch through the JIT), and while no Triton launch hook listens (a profiler gets every launch's
+    metadata)."""
     return current_overrides() is DEFAULT_OVERRIDES and _direct_launches(x) and not _launch_hooks()
 
 

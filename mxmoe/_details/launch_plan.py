@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import triton
 
+from .config import triton_release
+
 
 @dataclass(frozen=True)
 class KernelLaunch:
@@ -74,7 +76,7 @@ def _launcher(compiled) -> tuple:
     since 3.6)."""
     wrapper = compiled.run
     launch = getattr(wrapper, "launch", None)
-    release = ".".join(triton.__version__.split("+")[0].split(".")[:2])
+    release = triton_release(triton.__version__)
     if launch is not None and release in DIRECT_LAUNCH_RELEASES and getattr(wrapper, "global_scratch_size", 1) == 0 \
             and getattr(wrapper, "profile_scratch_size", 1) == 0:
         return launch, (compiled.function, wrapper.launch_cooperative_grid, wrapper.launch_pdl, None, None,

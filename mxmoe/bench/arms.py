@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._details import cdiv
 from ..format import dequantize_mxfp4
 from ..moe import fused_moe
 from ..prepare import PreparedExperts, _from_gate_up
@@ -435,10 +436,6 @@ TRITON_KERNELS_PAD_HIDDEN = 256
 TRITON_KERNELS_PAD_INTERMEDIATE = 128
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 @triton.jit(repr=lambda _: "_mxmoe_silu_mul")
 def _tk_silu_mul(x, limit):
     """triton_kernels fused activation (FnSpecs, reduction_n=2): ``x`` [BLOCK_M, BLOCK_N] FP32 GEMM1 tile with gate
@@ -567,8 +564,8 @@ class TritonKernelsArm(Arm):
         if experts.w13_global_scale is not None or experts.w2_global_scale is not None:
             raise NotImplementedError("per-expert global scales are not wired into the triton_kernels arm")
         self.shape = shape
-        self.hidden = _round_up(shape.H, TRITON_KERNELS_PAD_HIDDEN)
-        self.intermediate = _round_up(shape.I, TRITON_KERNELS_PAD_INTERMEDIATE)
+        self.hidden = cdiv(shape.H, TRITON_KERNELS_PAD_HIDDEN) * TRITON_KERNELS_PAD_HIDDEN
+        self.intermediate = cdiv(shape.I, TRITON_KERNELS_PAD_INTERMEDIATE) * TRITON_KERNELS_PAD_INTERMEDIATE
         src = triton_kernels_mxfp4_tensors(experts, self.hidden, self.intermediate)
         self.w13, s13 = triton_kernels_weight(src["w13"], src["w13_scale"])
         self.w2, s2 = triton_kernels_weight(src["w2"], src["w2_scale"])
