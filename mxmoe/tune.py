@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Optional, Sequence, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 import torch
 import triton
@@ -172,8 +172,9 @@ class Tuner:
 
 
 def tune_shape(shape: Shape, tokens: dict, device: torch.device, samples: int = 25,
-               stream: Optional[TextIO] = None) -> list:
-    """Entries (kept and not) for ``shape``; ``tokens``: ``{precision: [T, ...]}``."""
+               stream: Optional[TextIO] = None, measured: Optional[Callable] = None) -> list:
+    """Entries (kept and not) for ``shape``; ``tokens``: ``{precision: [T, ...]}``; ``measured(entries)`` after
+    each bucket (the entries so far)."""
     tuner = Tuner(shape, device, samples, stream)
     entries = []
     for precision, ts in tokens.items():
@@ -181,6 +182,8 @@ def tune_shape(shape: Shape, tokens: dict, device: torch.device, samples: int = 
             entry = tuner.tune(T, precision)
             if entry is not None:
                 entries.append(entry)
+                if measured is not None:
+                    measured(entries)
     for r in tuner.rejected:
         print(f"  rejected (output not bitwise the default's): {r}", file=tuner.stream)
     return entries
@@ -238,14 +241,15 @@ def run_tune(shape: Shape, device: torch.device, precisions: Sequence[str], toke
     plan = {p: list(tokens) if tokens else list(default_tokens(p)) for p in precisions}
     print(f"tuning {shape} on {tuned.device_name(device)} (Triton {triton.__version__}): "
           + "; ".join(f"{p} T={','.join(map(str, ts))}" for p, ts in plan.items()), file=stream, flush=True)
-    entries = tune_shape(shape, plan, device, samples, stream)
-    if not entries:
-        print("nothing tuned: the Gluon kernels do not run these calls here (Triton, GPU or MXMOE_KERNEL)", file=stream)
-        return 2
     command = "mxmoe tune --shape {} --precision {} --tokens {}".format(
         f"{shape.E},{shape.H},{shape.I},{shape.top_k}", ",".join(precisions),
         ",".join(str(t) for t in sorted({t for ts in plan.values() for t in ts})))
-    write_table(out, tuned.device_name(device), entries, command)
+    # the table is written after every bucket: a run stopped part way keeps the buckets it finished
+    entries = tune_shape(shape, plan, device, samples, stream,
+                         measured=lambda done: write_table(out, tuned.device_name(device), done, command))
+    if not entries:
+        print("nothing tuned: the Gluon kernels do not run these calls here (Triton, GPU or MXMOE_KERNEL)", file=stream)
+        return 2
     kept = sum(e["kept"] for e in entries)
     print(f"{kept} of {len(entries)} buckets faster than the default by > {100 * MIN_GAIN:g} %: written to {out} "
           f"({time.perf_counter() - began:.0f} s)", file=stream)

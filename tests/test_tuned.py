@@ -201,3 +201,27 @@ def test_the_shipped_entries_of_this_gpu_change_speed_only():
             outs.append(out)
         assert not outs[0].isnan().any()
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (shape, precision, T, g1, g2)
+
+
+def test_a_tuning_run_stopped_part_way_keeps_the_buckets_it_finished(tmp_path, monkeypatch):
+    """``mxmoe tune`` writes its table after every bucket: an interrupted hour of tuning keeps what it measured."""
+    from mxmoe import tune
+    from mxmoe.bench.problem import Shape
+
+    class Tuner:  # (the GPU's measurements stubbed: bucket 16 wins, 64 does not, the run stops at 256)
+        def __init__(self, *a, **k):
+            self.rejected = []
+
+        def tune(self, T, precision):
+            if T == 256:
+                raise KeyboardInterrupt
+            return _entry(T, dict(num_stages=3), kept=T == 16, ms=1.0, default_ms=1.1)
+
+    monkeypatch.setattr(tune, "Tuner", Tuner)
+    monkeypatch.setattr(tuned, "device_name", lambda device: "GPU X")
+    path = str(tmp_path / "t.json")
+    with pytest.raises(KeyboardInterrupt):
+        tune.run_tune(Shape(*SHAPE), torch.device("cuda"), ["w4a16"], [16, 64, 256], path)
+    table = json.load(open(path))
+    assert [(e["tokens"], e["gemm1"]) for e in table["entries"]] == [(16, {"num_stages": 3})]
+    assert table["device"] == "GPU X" and "--tokens 16,64,256" in table["command"]
