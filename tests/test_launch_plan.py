@@ -301,41 +301,64 @@ def _triton_source(module: str) -> str:
 
 def test_plans_call_the_installed_tritons_launchers_in_their_form():
     """A plan calls a compiled kernel's launcher the way the JIT does (every release), and on the releases of
-    ``DIRECT_LAUNCH_RELEASES`` the C launch function the way ``CudaLauncher.__call__`` does. Triton 3.9 changed the C
-    function; this test, in CI's newest-Triton stage, is what says when the next release does."""
+    ``DIRECT_LAUNCH_FORMS`` the C launch function the way ``CudaLauncher.__call__`` does. Triton 3.9 changed the C
+    function; this test, in CI's two Triton stages, is what says when a release calls it differently."""
     import triton
 
-    from mxmoe._details.launch_plan import DIRECT_LAUNCH_RELEASES
+    from mxmoe._details.launch_plan import DIRECT_LAUNCH_FORMS
 
     jit = _triton_source("triton.runtime.jit")
     assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
             "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *") in jit
     driver = _triton_source("triton.backends.nvidia.driver")
-    release = ".".join(triton.__version__.split("+")[0].split(".")[:2])
-    if release in DIRECT_LAUNCH_RELEASES:
+    form = DIRECT_LAUNCH_FORMS.get(".".join(triton.__version__.split("+")[0].split(".")[:2]))
+    if form == "spread":
         assert ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
                 "global_scratch, profile_scratch, *args)") in driver
         assert "def __call__(self, gridX, gridY, gridZ, stream, function, *args):" in driver
+    elif form == "tuple":
+        assert ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+                "kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, global_scratch, "
+                "profile_scratch, self.arg_annotations, self.kernel_signature, kernel_args)") in driver
+        assert ("def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, "
+                "launch_enter_hook, launch_exit_hook, *args):") in driver
+        assert "kernel_args = args " in driver  # (the tuple of the JIT's arguments, as a plan builds it)
+        assert "self.launch = wrap_handle_tensordesc(launcher, signature, tensordesc_meta)" in driver
 
 
-def test_a_release_without_a_known_c_launcher_takes_the_wrapper(monkeypatch):
+def test_each_release_gets_its_launch_form(monkeypatch):
     from types import SimpleNamespace
 
     import triton
 
     from mxmoe._details import launch_plan
 
-    wrapper = SimpleNamespace(launch=object(), global_scratch_size=0, profile_scratch_size=0,
-                              launch_cooperative_grid=False, launch_pdl=True)
+    c_function = len  # (a builtin, as the C launch function is)
+    wrapper = SimpleNamespace(launch=c_function, global_scratch_size=0, profile_scratch_size=0,
+                              launch_cooperative_grid=False, launch_pdl=True, gsan_enabled=False,
+                              arg_annotations="ann", kernel_signature=b"sig")
     compiled = SimpleNamespace(run=wrapper, function=7, packed_metadata="meta")
     monkeypatch.setattr(triton, "__version__", "3.6.0")
-    assert launch_plan._launcher(compiled) == (wrapper.launch, (7, False, True, None, None, "meta", None, None, None))
-    for version in ("3.9.0", "3.10.0+git123"):
+    assert launch_plan._launcher(compiled) == (c_function, (7, False, True, None, None, "meta", None, None, None),
+                                               False)
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert launch_plan._launcher(compiled) == (c_function, (7, False, True, "meta", None, None, None, None, None,
+                                                            "ann", b"sig"), True)
+    jit_form = (wrapper, (7, "meta", None, None, None), False)
+    for version in ("3.7.0", "3.10.0+git123"):  # (releases without a known C form)
         monkeypatch.setattr(triton, "__version__", version)
-        assert launch_plan._launcher(compiled) == (wrapper, (7, "meta", None, None, None))
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
-    compiled.run.global_scratch_size = 256  # (a kernel that needs scratch memory: the wrapper allocates it)
-    assert launch_plan._launcher(compiled)[0] is wrapper
+        assert launch_plan._launcher(compiled) == jit_form
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    wrapper.gsan_enabled = True  # (the sanitizer adds arguments in the wrapper)
+    assert launch_plan._launcher(compiled) == jit_form
+    wrapper.gsan_enabled, wrapper.launch = False, lambda *a: None  # (a Python wrapper for tensor descriptors)
+    assert launch_plan._launcher(compiled) == jit_form
+    wrapper.launch = c_function
+    for version in ("3.6.0", "3.9.0"):
+        monkeypatch.setattr(triton, "__version__", version)
+        wrapper.global_scratch_size = 256  # (a kernel that needs scratch memory: the wrapper allocates it)
+        assert launch_plan._launcher(compiled) == jit_form
+        wrapper.global_scratch_size = 0
 
 
 def test_launches_ask_for_fp_fusion_explicitly():

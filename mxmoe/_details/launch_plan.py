@@ -22,6 +22,7 @@ dangle).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import BuiltinFunctionType
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -60,28 +61,40 @@ class _Step:
     run: Callable  # the launcher: called as run(*grid, stream, *fixed, *args(pointers))
     fixed: tuple  # the launcher's arguments between the stream and the kernel's
     grid: tuple  # (x, y, z)
-    args: Callable  # pointer table -> every parameter in order (constexprs too, as the JIT passes them)
+    args: Callable  # pointer table -> every parameter in order (constexprs too, as the JIT passes them), or that
+    # tuple as the one element of a tuple where the launcher takes the kernel's arguments as one tuple
 
 
-# Triton releases whose C launch function a plan calls itself (``CudaLauncher.__call__`` calls it as
-# ``launch(*grid, stream, function, coop, pdl, global_scratch, profile_scratch, metadata, launch_metadata, hooks x 2,
-# *args)`` after allocating scratch memory); other releases take the wrapper. Triton 3.9 changed the C function (the
-# kernel's arguments in one tuple after its signature): calling it in 3.6's form raised, measured on an H100.
-DIRECT_LAUNCH_RELEASES = ("3.6",)
+# Triton releases whose C launch function a plan calls itself, and how ``CudaLauncher.__call__`` calls it there after
+# allocating scratch memory (none for our kernels):
+# - ``"3.6"``: ``launch(*grid, stream, function, coop, pdl, global_scratch, profile_scratch, metadata,
+#   launch_metadata, enter_hook, exit_hook, *args)``;
+# - ``"3.9"``: ``launch(*grid, stream, function, coop, pdl, metadata, launch_metadata, enter_hook, exit_hook,
+#   global_scratch, profile_scratch, arg_annotations, kernel_signature, args)``, the arguments as one tuple.
+# Other releases take the wrapper, as the JIT does. A form that does not match raises at the first replay (a TypeError
+# from 3.9 called in 3.6's form, measured on an H100); tests/test_launch_plan.py checks both against the installed
+# Triton's source.
+DIRECT_LAUNCH_FORMS = {"3.6": "spread", "3.9": "tuple"}
 
 
 def _launcher(compiled) -> tuple:
-    """``(run, fixed)`` of a compiled kernel: its C launch function itself where the kernel needs no scratch memory on
-    a release of :data:`DIRECT_LAUNCH_RELEASES`, else the wrapper as the JIT calls it (the same form in every release
-    since 3.6)."""
+    """``(run, fixed, tupled)`` of a compiled kernel: its C launch function itself where the kernel needs no scratch
+    memory on a release of :data:`DIRECT_LAUNCH_FORMS`, else the wrapper as the JIT calls it (the same form in every
+    release since 3.6); ``tupled``: the kernel's arguments go as one tuple."""
     wrapper = compiled.run
     launch = getattr(wrapper, "launch", None)
-    release = triton_release(triton.__version__)
-    if launch is not None and release in DIRECT_LAUNCH_RELEASES and getattr(wrapper, "global_scratch_size", 1) == 0 \
-            and getattr(wrapper, "profile_scratch_size", 1) == 0:
+    form = DIRECT_LAUNCH_FORMS.get(triton_release(triton.__version__))
+    no_scratch = getattr(wrapper, "global_scratch_size", 1) == 0 and getattr(wrapper, "profile_scratch_size", 1) == 0
+    if launch is not None and no_scratch and form == "spread":
         return launch, (compiled.function, wrapper.launch_cooperative_grid, wrapper.launch_pdl, None, None,
-                        compiled.packed_metadata, None, None, None)
-    return wrapper, (compiled.function, compiled.packed_metadata, None, None, None)
+                        compiled.packed_metadata, None, None, None), False
+    # (3.9: the C function itself only, not a Python wrapper for tensor descriptors, and no sanitizer state to add)
+    if isinstance(launch, BuiltinFunctionType) and no_scratch and form == "tuple" \
+            and not getattr(wrapper, "gsan_enabled", True):
+        return launch, (compiled.function, wrapper.launch_cooperative_grid, wrapper.launch_pdl,
+                        compiled.packed_metadata, None, None, None, None, None, wrapper.arg_annotations,
+                        wrapper.kernel_signature), True
+    return wrapper, (compiled.function, compiled.packed_metadata, None, None, None), False
 
 
 class LaunchPlan:
@@ -105,11 +118,13 @@ class LaunchPlan:
             params = launch.kernel.params
             values = list(launch.args) + [launch.meta.get(p.name, p.default) for p in params[len(launch.args):]]
             constants: list = []
-            source = "lambda p, c=c: (" + "".join(_expression(v, table, spans, constants) + ", " for v in values) + ")"
+            run, fixed, tupled = _launcher(compiled)
+            source = "(" + "".join(_expression(v, table, spans, constants) + ", " for v in values) + ")"
+            source = "lambda p, c=c: " + (f"({source},)" if tupled else source)
             # (our own expression of indices into p and c; c bound as a default: a partial's keyword costs a dict)
             build = eval(source, {"c": tuple(constants)})  # noqa: S307
             grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-            steps.append(_Step(*_launcher(compiled), grid, build))
+            steps.append(_Step(run, fixed, grid, build))
         return cls(steps)
 
     def run(self, pointers: Sequence[int], stream: int) -> None:
