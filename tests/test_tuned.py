@@ -165,8 +165,8 @@ def overrides_off():
 
 @pytest.mark.gpu
 def test_the_shipped_entries_of_this_gpu_change_speed_only():
-    """Every shipped entry of this GPU: the call at its bucket bitwise the call with the tables off, and the entry's
-    fields in the configs the call ran."""
+    """Every shipped entry of this GPU: the calls at its bucket's top and lowest T bitwise the calls with the tables
+    off, and at the top (where it was measured) the entry's fields in the configs the call ran."""
     from mxmoe import prepare_weights, testing
     from mxmoe._details import launch
     from mxmoe._details.config import overrides
@@ -180,27 +180,29 @@ def test_the_shipped_entries_of_this_gpu_change_speed_only():
     if not mine:
         pytest.skip(f"no shipped entries for {name}")
     experts = {}
-    for (_, shape, precision, T), entry in mine:
+    for (_, shape, precision, top), entry in mine:
         g1, g2 = entry.gemm1, entry.gemm2
         if shape not in experts:
             experts.clear()
             experts[shape] = prepare_weights(**testing.random_code_sources(*shape[:3], seed=1, device=device))
         ex = experts[shape]
-        inp = make_inputs(Shape(*shape), T, device, seed=2)
-        plan = plan_layer(inp.topk_ids.numel(), precision=precision, activation="silu", capturing=False)
-        ws = Workspace(ex, T, shape[3], fp8=True)
-        outs = []
-        for on in (True, False):
-            out = torch.full_like(inp.x, float("nan"))
-            with overrides(tuned=on):
-                launch.run_fused_moe(inp.x, ex, inp.topk_weights, inp.topk_ids, plan, None, out, ws)
-                cfg1, cfg2 = launch._configs(inp.x, ex, shape[3], T * shape[3], precision == "w4a8")
-            if on:
-                for cfg, fields in ((cfg1, g1), (cfg2, g2)):
-                    assert all(getattr(cfg, f) == v for f, v in fields.items() if f != "block_rows"), (cfg, fields)
-            outs.append(out)
-        assert not outs[0].isnan().any()
-        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (shape, precision, T, g1, g2)
+        lowest = tuned.TOKEN_BUCKETS[tuned.TOKEN_BUCKETS.index(top) - 1] + 1 if top > 1 else 1
+        for T in sorted({top, lowest}):  # (the bucket's top, where it was measured, and its lowest T)
+            inp = make_inputs(Shape(*shape), T, device, seed=2)
+            plan = plan_layer(inp.topk_ids.numel(), precision=precision, activation="silu", capturing=False)
+            ws = Workspace(ex, T, shape[3], fp8=True)
+            outs = []
+            for on in (True, False):
+                out = torch.full_like(inp.x, float("nan"))
+                with overrides(tuned=on):
+                    launch.run_fused_moe(inp.x, ex, inp.topk_weights, inp.topk_ids, plan, None, out, ws)
+                    cfg1, cfg2 = launch._configs(inp.x, ex, shape[3], T * shape[3], precision == "w4a8")
+                if on and T == top:
+                    for cfg, fields in ((cfg1, g1), (cfg2, g2)):
+                        assert all(getattr(cfg, f) == v for f, v in fields.items() if f != "block_rows"), (cfg, fields)
+                outs.append(out)
+            assert not outs[0].isnan().any()
+            assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (shape, precision, T, g1, g2)
 
 
 def test_a_tuning_run_stopped_part_way_keeps_the_buckets_it_finished(tmp_path, monkeypatch):
