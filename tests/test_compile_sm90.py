@@ -53,9 +53,6 @@ def test_every_kind_of_config_is_compiled(reports):
     ws8 = [r for r in reports if r["kernel"] == "gluon_ws8"]
     assert {(r["gemm1"], r["config"]["block_rows"]) for r in ws8} >= {(g, bt) for g in (True, False) for bt in (64, 128)}
     assert {r["config"]["promote"] for r in ws8} >= {0, 8} and {r["k"] % 128 for r in ws8} == {0, 64}
-    # and its converted weights through shared memory (an experiment, perf-notes step 42), both GEMMs, with a K tail
-    staged = {(r["gemm1"], r["k"] % 128) for r in ws8 if r["config"]["smem_operand"]}
-    assert staged == {(True, 0), (False, 0), (True, 64), (False, 64)}
 
 
 @pytest.mark.slow

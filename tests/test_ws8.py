@@ -25,8 +25,7 @@ def test_config_route_tiles_stages_and_chains():
     assert tests.promote == 8
 
 
-@pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64),
-                                 dict(block_rows=64, promote=8, smem_operand=True)])
+@pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64)])
 def test_config_refuses_what_the_kernel_cannot_run(bad):
     with pytest.raises(ValueError):
         gemm_config(65536, 288, 1024, 4096, True, dict(WS8, **bad), gemm1=True)
@@ -34,15 +33,6 @@ def test_config_refuses_what_the_kernel_cannot_run(bad):
         GemmConfig(128, 256, 128, 4, 6, kernel="gluon_ws8").validate(1024, 4096, True, False)
     with pytest.raises(ValueError, match="multiples of 64"):
         GemmConfig(128, 256, 128, 4, 6, kernel="gluon_ws8").validate(1024, 4000, True, True)
-
-
-def test_the_shared_memory_operand_takes_its_buffers_from_the_ring():
-    """``smem_operand``: 64 KB of converted tiles, so fewer stages in the same 192 KB; the prefill kernel's only."""
-    ref = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, smem_operand=True), gemm1=True)
-    assert ref.smem_operand and ref.num_stages == 4  # 4 x 32 KB + 64 KB
-    assert gemm_config(8192, 288, 1024, 4096, True, dict(WS8, smem_operand=True), gemm1=True).num_stages == 5
-    with pytest.raises(ValueError, match="smem_operand"):
-        gemm_config(65536, 288, 1024, 4096, True, {"kernel": "gluon_small", "smem_operand": True}, gemm1=True)
 
 
 def test_unfolded_experts_take_the_small_tile_kernel_on_the_same_pack():
@@ -99,12 +89,6 @@ def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
         assert not bool(got.isnan().any())
         assert bitwise_equal(got, want), (small, float((got.float() - want.float()).abs().max()))
         assert bitwise_equal(_call(ex, x, w, ids, new), got)
-    # the converted weights through shared memory (``smem_operand``): the same values and MMAs, so the same bits
-    for bt in (64, 128):
-        regs = _call(ex, x, w, ids, dict(WS8, block_rows=bt))
-        smem = _call(ex, x, w, ids, dict(WS8, block_rows=bt, smem_operand=True))
-        assert not bool(smem.isnan().any())
-        assert bitwise_equal(smem, regs), (bt, float((smem.float() - regs.float()).abs().max()))
 
 
 @pytest.mark.gpu

@@ -59,8 +59,6 @@ class GemmConfig:
     promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
     # FP32 accumulators (0: one chain over all of K)
     promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
-    smem_operand: bool = False  # gluon_ws8: the converted weights through shared memory (wgmma's A from there), so a
-    # step's MMAs run while the next step converts (an experiment: perf-notes step 42)
 
     def validate(self, n: int, k: int, gemm1: bool, fp8: bool) -> "GemmConfig":
         """This config, if its Gluon kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
@@ -70,11 +68,7 @@ class GemmConfig:
                                  "64- or 128-row route tiles")
             if self.promote and self.block_rows != 64:
                 raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at 64-row tiles only")
-            if self.smem_operand and self.promote:
-                raise ValueError("smem_operand keeps each step's MMAs in flight: chains over all of K only")
             return self
-        if self.smem_operand:
-            raise ValueError("smem_operand is for the W4A8 prefill kernel (gluon_ws8)")
         if self.kernel != "gluon_small":
             return self
         steps = k // self.block_k
@@ -388,8 +382,7 @@ def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
     cfg = dict(block_rows=bt, block_m=256, block_k=128, num_warps=4, loader_regs=64, converter_regs=224,
                promote=promote)
     cfg.update(override)
-    converted = 64 * 1024 if cfg.get("smem_operand") else 0  # (2 buffers x 4 m-tiles x 64 x 128 E4M3)
-    cfg.setdefault("num_stages", (192 * 1024 - converted) // (16 * 1024 + cfg["block_rows"] * 128))
+    cfg.setdefault("num_stages", (192 * 1024) // (16 * 1024 + cfg["block_rows"] * 128))
     return GemmConfig(kernel="gluon_ws8", **cfg).validate(n, k, True, True)
 
 

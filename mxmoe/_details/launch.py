@@ -113,8 +113,7 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         elif cfg.kernel == "gluon_ws8":
             del meta["BM"], meta["FP8"]
             meta.update(K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, PRODUCER_REGS=cfg.loader_regs,
-                        CONSUMER_REGS=cfg.converter_regs, SMEM_A=cfg.smem_operand,
-                        **pdl_launch(out.device, kernel_arg=False))
+                        CONSUMER_REGS=cfg.converter_regs, **pdl_launch(out.device, kernel_arg=False))
             args.append(fold)
         else:
             pdl = pdl_launch(out.device, kernel_arg=False)

@@ -76,7 +76,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         kernel, source = gluon_kernel(cfg.kernel), GluonASTSource
         del const["FP8"], const["BM"]
         const.update(OUT_I64=out_i64, K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, W_UNIT=row_block_unit(k),
-                     PRODUCER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.converter_regs, SMEM_A=cfg.smem_operand)
+                     PRODUCER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.converter_regs)
         sig.update(fold_ptr="*i32")
     else:
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -262,8 +262,6 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), g
     cases += [("gluon_ws8", r, True, {}, False) for r in small_rows[-2:]]
     cases += [("gluon_ws8", small_rows[-1], True, dict(block_rows=64, promote=8), False)]
     cases += [("gluon_ws8", small_rows[-1], True, dict(hidden=2880, intermediate=2880), False)]
-    cases += [("gluon_ws8", r, True, dict(smem_operand=True), False) for r in small_rows[-2:]]
-    cases += [("gluon_ws8", small_rows[-1], True, dict(smem_operand=True, hidden=2880, intermediate=2880), False)]
     out = []
     for kernel, r, fp8, override, direct in cases:
         override = dict(override)

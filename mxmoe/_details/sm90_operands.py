@@ -137,32 +137,6 @@ def _e4m3_operands(codes, b, lo, hi, BM: gl.constexpr, BK: gl.constexpr, DOT: gl
     4q+3 and 16 + 4q .. 16 + 4q + 3, each value looked up in its block's E4M3 table (``convert.E2M1X8_TO_E4M3_TABLE_ASM``)
     of scale byte ``b`` ([BM, BK/32] int32, any layout) with the row's addends ``lo``, ``hi`` ([BM] uint32)."""
     NB: gl.constexpr = BK // 32
-    w = _e4m3_values(codes, b, lo, hi, BM, BK)
-    if NB == 1:
-        return (gl.convert_layout(w.reshape([BM, 32]), DOT, assert_trivial=True), )
-    elif NB == 2:
-        w0, w1 = w.permute((0, 2, 1)).split()
-        return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True))
-    else:
-        gl.static_assert(NB == 4)
-        lo_b, hi_b = w.permute((0, 2, 1)).reshape([BM, 32, 2, 2]).split()  # blocks (0, 2) and (1, 3)
-        w0, w2 = lo_b.split()
-        w1, w3 = hi_b.split()
-        return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True),
-                gl.convert_layout(w2, DOT, assert_trivial=True), gl.convert_layout(w3, DOT, assert_trivial=True))
-
-
-@gluon.jit
-def _e4m3_tile(codes, b, lo, hi, BM: gl.constexpr, BK: gl.constexpr):
-    """``_e4m3_operands``' values as one [BM, BK] tile (column 32 b + slot: block b's activation slot), for a store to
-    shared memory (wgmma's A operand from there)."""
-    return _e4m3_values(codes, b, lo, hi, BM, BK).reshape([BM, BK])
-
-
-@gluon.jit
-def _e4m3_values(codes, b, lo, hi, BM: gl.constexpr, BK: gl.constexpr):
-    """The E4M3 values of ``_e4m3_operands`` as [BM, BK/32, 32] (row, block, activation slot)."""
-    NB: gl.constexpr = BK // 32
     BL: gl.constexpr = _fragment_bytes_layout(BM, BK)
     SB: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, BL))  # [BM, NB]
     SR: gl.constexpr = gl.SliceLayout(1, SB)  # [BM]
@@ -177,7 +151,19 @@ def _e4m3_values(codes, b, lo, hi, BM: gl.constexpr, BK: gl.constexpr):
     x, y = gl.inline_asm_elementwise(E2M1X8_TO_E4M3_TABLE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r", [codes, b4, lo4, hi4],
                                      dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
     # [BM, NB, q, i, c] -> [BM, NB, c, q, i]: slot 16 c + 4 q + i of block b
-    return gl.join(x, y).permute((0, 1, 4, 2, 3)).reshape([BM, NB, 32]).to(gl.float8e4nv, bitcast=True)
+    w = gl.join(x, y).permute((0, 1, 4, 2, 3)).reshape([BM, NB, 32]).to(gl.float8e4nv, bitcast=True)
+    if NB == 1:
+        return (gl.convert_layout(w.reshape([BM, 32]), DOT, assert_trivial=True), )
+    elif NB == 2:
+        w0, w1 = w.permute((0, 2, 1)).split()
+        return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True))
+    else:
+        gl.static_assert(NB == 4)
+        lo_b, hi_b = w.permute((0, 2, 1)).reshape([BM, 32, 2, 2]).split()  # blocks (0, 2) and (1, 3)
+        w0, w2 = lo_b.split()
+        w1, w3 = hi_b.split()
+        return (gl.convert_layout(w0, DOT, assert_trivial=True), gl.convert_layout(w1, DOT, assert_trivial=True),
+                gl.convert_layout(w2, DOT, assert_trivial=True), gl.convert_layout(w3, DOT, assert_trivial=True))
 
 
 @gluon.jit

@@ -25,14 +25,12 @@ a producer warpgroup and two consumer warpgroups.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
-from .sm90_operands import (_e4m3_addends, _e4m3_operands, _e4m3_tile, _fp8_chain, _fragment_bytes,
-                            _fragment_bytes_layout, _keep_alive, _scale_word_rows, _small_mma_layout, _times_row_fold)
-from .sm90_pipeline import (_async_load, _cta_barrier, _epilogue, _joined_layout, _launch_dependents, _packed_layout,
-                            _reinterpret, _step_offset, _tile_origin, _tile_routes, _wait_for_previous_kernel,
-                            _weight_pointers)
+from .sm90_operands import (_e4m3_addends, _e4m3_operands, _fp8_chain, _fragment_bytes, _fragment_bytes_layout,
+                            _keep_alive, _scale_word_rows, _small_mma_layout, _times_row_fold)
+from .sm90_pipeline import (_async_load, _epilogue, _joined_layout, _launch_dependents, _packed_layout, _reinterpret,
+                            _step_offset, _tile_origin, _tile_routes, _wait_for_previous_kernel, _weight_pointers)
 
 BM = gl.constexpr(64)  # rows of one m-tile (wgmma's M per warpgroup)
 BLOCKS = gl.constexpr(4)  # 64-row weight blocks per stage (2 warpgroups x 2 m-tiles)
@@ -126,24 +124,19 @@ def _producer(a_ptr, stride_a, w_ptr, routes_ptr, tile_expert_ptr, fold_ptr, fir
 
 
 @gluon.jit
-def _stage_codes(packed, s, blk: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr):
-    """One m-tile's packed bytes of ring slot ``s`` (block ``blk`` of the stage), the step's ``KB`` K of them."""
+def _stage_ops(packed, s, blk: gl.constexpr, sc, lo, hi, BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr,
+               DOT: gl.constexpr):
+    """One m-tile's FP8 register operands of ring slot ``s`` (block ``blk`` of the stage), one per K32 block of the
+    step's ``KB`` K, the scale bytes ``sc`` [BM, BK/32] folded in."""
     p = packed.index(BLOCKS * s + blk)
     if KB < BK:  # the tail step: the stage's first unit, row-major [BM, KB/2] bytes as [BM, KB/32, 4, 4]
         gl.static_assert(KB // 2 == U)
         units = _reinterpret(p, gl.uint8, [(BK // 2) // U * BM, KB // 32, 4, 4],
                              gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
-        return units.slice(0, BM).load(_fragment_bytes_layout(BM, KB))
+        codes = units.slice(0, BM).load(_fragment_bytes_layout(BM, KB))
     else:
-        return _fragment_bytes(p, BM, KB, U)
-
-
-@gluon.jit
-def _stage_ops(packed, s, blk: gl.constexpr, sc, lo, hi, BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr,
-               DOT: gl.constexpr):
-    """One m-tile's FP8 register operands of ring slot ``s`` (block ``blk`` of the stage), one per K32 block of the
-    step's ``KB`` K, the scale bytes ``sc`` [BM, BK/32] folded in."""
-    return _e4m3_operands(_stage_codes(packed, s, blk, BK, U, KB), sc, lo, hi, BM, KB, DOT)
+        codes = _fragment_bytes(p, BM, KB, U)
+    return _e4m3_operands(codes, sc, lo, hi, BM, KB, DOT)
 
 
 @gluon.jit
@@ -184,40 +177,12 @@ def _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, sc0, sc1, lo0, 
 
 
 @gluon.jit
-def _consumer_step_smem(packed, act, conv, loaded, consumed, c, first, acc0, acc1, sc0, sc1, lo0, hi0, lo1, hi1,
-                        WG: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr,
-                        NUM_STAGES: gl.constexpr, use_acc):
-    """Ring step ``c`` with the converted weights through shared memory (``SMEM_A``): both m-tiles converted into this
-    warpgroup's buffer ``c % 2`` of ``conv``, their MMAs issued from there, then a wait for the previous step's MMAs
-    only, which releases that step's slot (``first``: the tile's first step, none to release). So this step's MMAs
-    run while the next step converts, with no register operand held across the wait."""
-    s = c % NUM_STAGES
-    mbarrier.wait(loaded.index(s), (c // NUM_STAGES) & 1)
-    a0 = conv.index(4 * (c % 2) + 2 * WG)
-    a1 = conv.index(4 * (c % 2) + 2 * WG + 1)
-    if KB < BK:
-        a0 = a0.slice(0, KB, dim=1)
-        a1 = a1.slice(0, KB, dim=1)
-    a0.store(_e4m3_tile(_stage_codes(packed, s, 2 * WG, BK, U, KB), sc0, lo0, hi0, BM, KB))
-    a1.store(_e4m3_tile(_stage_codes(packed, s, 2 * WG + 1, BK, U, KB), sc1, lo1, hi1, BM, KB))
-    fence_async_shared()  # (the stores and the producer's activation copies, read through the async proxy)
-    _cta_barrier()  # (the warpgroup's stores all done before its MMAs read the tiles)
-    xt = act.index(s).slice(0, KB, dim=1).permute((1, 0))
-    acc0 = warpgroup_mma(a0, xt, acc0, use_acc=use_acc, is_async=True)
-    acc1 = warpgroup_mma(a1, xt, acc1, use_acc=use_acc, is_async=True)
-    acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))  # the previous step's (this step's two stay in flight)
-    if not first:
-        mbarrier.arrive(consumed.index((c + NUM_STAGES - 1) % NUM_STAGES))
-    return acc0, acc1
-
-
-@gluon.jit
 def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, tile_expert_ptr, fold_ptr, out_ptr,
               stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k, limit, alpha, num_full,
-              packed, act, conv, loaded, consumed, GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr,
-              HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-              NUM_STAGES: gl.constexpr, U: gl.constexpr, K_TAIL: gl.constexpr, PROMOTE: gl.constexpr,
-              OUT_I64: gl.constexpr, SMEM_A: gl.constexpr, WG: gl.constexpr):
+              packed, act, loaded, consumed, GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+              HAS_GSCALE: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+              U: gl.constexpr, K_TAIL: gl.constexpr, PROMOTE: gl.constexpr, OUT_I64: gl.constexpr,
+              WG: gl.constexpr):
     """Consumer warpgroup ``WG``: m-tiles 2 WG and 2 WG + 1 of every tile the program walks (module docstring)."""
     _wait_for_previous_kernel()  # (the activations' scales, the route pack)
     NB: gl.constexpr = BK // 32
@@ -258,12 +223,8 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = i % PROMOTE != 0  # (False: a chain starts from zero)
-                if SMEM_A:
-                    acc0, acc1 = _consumer_step_smem(packed, act, conv, loaded, consumed, c, i == 0, acc0, acc1, cur0,
-                                                     cur1, lo0, hi0, lo1, hi1, WG, BK, U, BK, NUM_STAGES, use_acc)
-                else:
-                    acc0, acc1 = _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, cur0, cur1, lo0, hi0,
-                                                lo1, hi1, WG, BK, U, BK, NUM_STAGES, DOT, use_acc)
+                acc0, acc1 = _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, cur0, cur1, lo0, hi0, lo1,
+                                            hi1, WG, BK, U, BK, NUM_STAGES, DOT, use_acc)
                 if PROMOTE > 0:
                     if ((i + 1) % PROMOTE == 0) & (i + 1 < num_full + STEPS_TAIL):  # (the last chain: below)
                         tot0 += acc0
@@ -280,17 +241,9 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = num_full % PROMOTE != 0
-                if SMEM_A:
-                    acc0, acc1 = _consumer_step_smem(packed, act, conv, loaded, consumed, c, num_full == 0, acc0,
-                                                     acc1, tail0, tail1, lo0, hi0, lo1, hi1, WG, BK, U, K_TAIL,
-                                                     NUM_STAGES, use_acc)
-                else:
-                    acc0, acc1 = _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, tail0, tail1, lo0, hi0,
-                                                lo1, hi1, WG, BK, U, K_TAIL, NUM_STAGES, DOT, use_acc)
+                acc0, acc1 = _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, tail0, tail1, lo0, hi0, lo1,
+                                            hi1, WG, BK, U, K_TAIL, NUM_STAGES, DOT, use_acc)
                 c += 1
-            if SMEM_A:  # the tile's last MMAs, and its last slot
-                acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-                mbarrier.arrive(consumed.index((c + NUM_STAGES - 1) % NUM_STAGES))
             if PROMOTE > 0:
                 acc0 = tot0 + acc0
                 acc1 = tot1 + acc1
@@ -323,7 +276,7 @@ def moe_gemm_ws8_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, W_UNIT: gl.constexpr, K_TAIL: gl.constexpr,
     PROMOTE: gl.constexpr = 0, OUT_I64: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 64,
-    CONSUMER_REGS: gl.constexpr = 224, SMEM_A: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr = 224,
 ):
     """The ``moe_gemm_kernel`` contract for W4A8 prefill (module docstring): ``num_warps=4`` (the first consumer
     warpgroup), persistent (a 1-D grid of at most one program per SM walking the (route tile, column block) tiles
@@ -338,7 +291,6 @@ def moe_gemm_ws8_kernel(
     gl.static_assert(gl.num_warps() == 4 and BK == 128 and (BT == 64 or BT == 128))
     gl.static_assert(K_TAIL % 64 == 0 and K_TAIL < BK)
     gl.static_assert(PROMOTE == 0 or BT == 64)  # (the promoted sums' registers)
-    gl.static_assert(PROMOTE == 0 or not SMEM_A)  # (a chain's sums are read while its MMAs would still run)
     _wait_for_previous_kernel()
     if GEMM1:
         _launch_dependents()
@@ -354,23 +306,18 @@ def moe_gemm_ws8_kernel(
                                         gl.NVMMASharedLayout.get_default_for([BT, BK], gl.float8e4nv))
         loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        if SMEM_A:  # (buffer, warpgroup, m-tile) -> the converted [BM, BK] E4M3 tile
-            conv = gl.allocate_shared_memory(gl.float8e4nv, [8, BM, BK],
-                                             gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
-        else:
-            conv = act  # (not read)
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(loaded.index(s), count=32 * 4)
             mbarrier.init(consumed.index(s), count=2)
         gl.warp_specialize([
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
-                         limit, alpha, num_full, packed, act, conv, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
-                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, SMEM_A, 0)),
+                         limit, alpha, num_full, packed, act, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
+                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, 0)),
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
-                         limit, alpha, num_full, packed, act, conv, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
-                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, SMEM_A, 1)),
+                         limit, alpha, num_full, packed, act, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
+                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, 1)),
             (_producer, (a_ptr, stride_a, w_ptr, sorted_routes_ptr, tile_expert_ptr, fold_ptr, first, end, stride,
                          n_blocks, N, K, top_k, num_full, packed, act, loaded, consumed, GEMM1, BT, BK, NUM_STAGES,
                          W_UNIT, K_TAIL)),
