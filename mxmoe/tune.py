@@ -211,15 +211,17 @@ def _existing_table(path: str, name: str) -> dict:
 
 def write_table(path: str, name: str, entries: Sequence[dict], command: str) -> dict:
     """Merge the kept entries of a tuning run on the GPU called ``name`` into the table at ``path`` (created if
-    missing; the same GPU's): its buckets measured now replace the table's."""
+    missing; the same GPU's): its buckets measured now replace the table's; ``command`` joins the commands of the runs
+    merged into the table before (``; ``-separated, the latest last)."""
     table = _existing_table(path, name)
     key = lambda e: (tuple(e["shape"]), e["precision"], e["tokens"])  # noqa: E731
     fresh = {key(e): {k: v for k, v in e.items() if k != "kept"} for e in entries if e["kept"]}
     measured = {key(e) for e in entries}
     table["entries"] = sorted([e for e in table["entries"] if key(e) not in measured] + list(fresh.values()),
                               key=key)
+    earlier = [c for c in table.get("command", "").split("; ") if c and c != command]  # (every run merged in)
     table.update(triton=triton.__version__, torch=torch.__version__,
-                 measured=datetime.date.today().isoformat(), command=command)
+                 measured=datetime.date.today().isoformat(), command="; ".join(earlier + [command]))
     tuned.check_table(table, where=path)
     with open(path, "w") as f:
         json.dump(table, f, indent=1)

@@ -105,7 +105,8 @@ def test_write_table_merges_the_buckets_measured_now(tmp_path):
                                 _entry(64, kept=False, ms=1.0, default_ms=1.0)], "first")
     table = write_table(path, "GPU X", [_entry(16, kept=False), _entry(64, dict(num_stages=5), kept=True)], "second")
     assert [(e["tokens"], e["gemm1"]) for e in table["entries"]] == [(64, {"num_stages": 5})]  # 16 measured: no win
-    assert table["command"] == "second" and table["device"] == "GPU X"
+    assert table["command"] == "first; second" and table["device"] == "GPU X"  # (the runs merged into it)
+    assert write_table(path, "GPU X", [], "first")["command"] == "second; first"
     with pytest.raises(ValueError, match="GPU X"):
         write_table(path, "GPU Y", [], "third")
     with pytest.raises(ValueError, match="cannot write"):
