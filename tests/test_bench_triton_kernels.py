@@ -324,8 +324,8 @@ def test_prepare_builds_matmul_ogs_operands(monkeypatch, activation):
         experts = experts.with_activation(activation)
     arm = arms.TritonKernelsArm()
     arm.prepare(experts, Shape(E, H, I, 2), 8)
-    Hp, Ip = 256, 128  # (padded as its Hopper path is given them: TRITON_KERNELS_PAD_*)
-    assert (arm.hidden, arm.intermediate) == (Hp, Ip) and "padded to 256, 128" in arm.note
+    Hp, Ip = 128, 128  # (padded as its Hopper path is given them: TRITON_KERNELS_PAD_*)
+    assert (arm.hidden, arm.intermediate) == (Hp, Ip) and "padded to 128, 128" in arm.note
     assert list(arm.w13.shape) == [E, Hp, 2 * Ip] and list(arm.w2.shape) == [E, Ip, Hp]
     assert list(arm.pc13.weight_scale.shape) == [E, Hp // 32, 2 * Ip]
     assert list(arm.pc2.weight_scale.shape) == [E, Ip // 32, Hp]

@@ -429,10 +429,10 @@ class HummingW4A8Arm(HummingArm):
 # the top-k sum: _reduce) are not matched.
 TRITON_KERNELS_GEMM_KERNEL = re.compile(r"^_(?:p_)?matmul(?:_ogs)?_")
 TRITON_KERNELS_NUM_WARPS = 8  # the Hopper scale layout's warps, which the GEMMs then run with (vLLM's choice)
-# The sizes its Hopper MXFP4 path is given, as serving engines pad them at load time (SGLang's triton_kernels MXFP4
-# path: hidden to 256, intermediate to 128): unpadded, gpt-oss's H = I = 2880 gave wrong sums and an illegal
-# address on an H100 (docs/perf-notes.md step 41), while 256 x 256 ran right
-TRITON_KERNELS_PAD_HIDDEN = 256
+# Each GEMM's K padded to a multiple of 128: its Hopper MXFP4 GEMMs take 128-K tiles and load the swizzled scales
+# unmasked (matmul_ogs_details/_matmul_ogs.py, opt_flags_nvidia.py at e4e68d1), so a K of 2880 reads past a row's
+# scales (fixed upstream later). The layouts pad N themselves.
+TRITON_KERNELS_PAD_HIDDEN = 128
 TRITON_KERNELS_PAD_INTERMEDIATE = 128
 
 
@@ -605,7 +605,10 @@ class TritonKernelsArm(Arm):
             # there), builds the bitmatrix, and SparseMatrix computes the sorted indices from it
             dense = torch.zeros(inp.T, s.E, dtype=torch.float32, device=inp.x.device)
             dense.scatter_(1, inp.topk_ids.long(), inp.topk_weights.float())
-            sparse = topk(dense, s.top_k, apply_softmax=False, y_indx=inp.topk_ids.to(torch.int16))
+            # (int32 ids: with int16 ones its bitmatrix shifts 1 << (id % 32) in 16 bits, dropping experts 16 to 31 of
+            # every 32: gpt-oss-20b's outputs were not finite, perf-notes step 43)
+            ids = inp.topk_ids.to(torch.int32).contiguous()
+            sparse = topk(dense, s.top_k, apply_softmax=False, y_indx=ids)
             meta = sparse.mask_metadata
             col_sorted, row_sorted, hist = meta.col_sorted_indx, meta.row_sorted_indx, meta.col_sum
             gate = sparse.vals.reshape(-1)[col_sorted]
