@@ -336,3 +336,33 @@ def test_prepare_builds_matmul_ogs_operands(monkeypatch, activation):
         assert arm.act.specs.fn is arms._tk_silu_mul and arm.act.fn_args == (None,)
     arm.release()
     assert arm.w13 is None
+
+
+@needs_tk
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU stand-in")
+def test_its_topk_gets_int32_ids_and_routes_every_expert(monkeypatch):
+    """The top-k path hands its ``topk`` int32 ids: with int16 ones its bitmatrix shifts ``1 << (id % 32)`` in 16 bits
+    and drops experts 16-31 (gpt-oss-20b, E = 32, ran non-finite on an H100). Its kernel stands in as its torch
+    reference here (the kernel needs a GPU), so this checks the ids' dtype and the routing built from them."""
+    import triton_kernels.topk as tk_topk
+
+    seen = []
+
+    def recording_topk(x, k, apply_softmax=True, y_indx=None, **kw):
+        seen.append(y_indx.dtype)
+        return tk_topk.topk_torch(x, k, apply_softmax=apply_softmax, y_indx=y_indx)
+
+    monkeypatch.setattr(tk_topk, "topk", recording_topk)
+    histc = torch.histc  # (its torch references histogram int32 ids, which torch's CPU histc refuses)
+    monkeypatch.setattr(torch, "histc", lambda t, *a, **kw: histc(t.float(), *a, **kw))
+    s = Shape(32, 64, 64, 4)
+    T = 19
+    w, ids, _, _ = testing.make_routing("uniform", T, s.E, s.top_k, seed=3)
+    arm = arms.TritonKernelsArm()
+    arm.shape, arm.route_by_topk = s, True
+    inp = Inputs(T=T, x=torch.zeros(T, s.H, dtype=torch.bfloat16), topk_weights=w, topk_ids=ids, distinct_experts=0)
+    routing, gather, scatter = arm._routing(inp)
+    assert seen == [torch.int32]
+    col, row, hist = arms.triton_kernels_route_indices(ids, s.E)
+    assert torch.equal(gather.src_indx.long(), col.long()) and torch.equal(gather.dst_indx.long(), row.long())
+    assert torch.equal(routing.gate_scal, w.float().reshape(-1)[col.long()])
