@@ -146,15 +146,28 @@ def test_route_indices_against_a_loop(T, E, k, kind):
     assert col.dtype == row.dtype == hist.dtype == torch.int32
 
 
+def _histc_of_int_ids(monkeypatch):
+    """Its torch references histogram int32 ids, which torch's CPU histc refuses: histc of their float values."""
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda t, *a, **kw: histc(t.float(), *a, **kw))
+
+
+def _arm_routing(s: Shape, T: int, seed: int, by_topk: bool):
+    """(router weights, ids, the arm's ``_routing`` of them) for a uniform routing of ``T`` tokens on ``s``."""
+    w, ids, _, _ = testing.make_routing("uniform", T, s.E, s.top_k, seed=seed)
+    arm = arms.TritonKernelsArm()
+    arm.shape, arm.route_by_topk = s, by_topk
+    inp = Inputs(T=T, x=torch.zeros(T, s.H, dtype=torch.bfloat16), topk_weights=w, topk_ids=ids, distinct_experts=0)
+    return w, ids, arm._routing(inp)
+
+
 @needs_tk
 def test_route_indices_match_triton_kernels_torch_references(monkeypatch):
     """Its PyTorch reference of the top-k with the ids given (topk_torch) and of the bitmatrix metadata."""
     from triton_kernels.tensor import make_bitmatrix_metadata_torch
     from triton_kernels.topk import topk_torch
 
-    histc = torch.histc  # its reference histograms int32 ids, which torch's CPU histc refuses
-    monkeypatch.setattr(torch, "histc", lambda t, *a, **kw: histc(t.float(), *a, **kw))
-
+    _histc_of_int_ids(monkeypatch)
     T, E, k = 45, 16, 4
     w, ids, _, _ = testing.make_routing("uniform", T, E, k, seed=5)
     dense = torch.zeros(T, E).scatter_(1, ids.long(), w.float())
@@ -174,11 +187,7 @@ def test_routing_path_runs_its_ragged_metadata_kernels_in_the_interpreter():
 
     s = Shape(8, 64, 64, 3)  # top_k 3: the torch-argsort path (its topk kernel needs a power of 2)
     T = 21
-    w, ids, _, _ = testing.make_routing("uniform", T, s.E, s.top_k, seed=2)
-    arm = arms.TritonKernelsArm()
-    arm.shape, arm.route_by_topk = s, False
-    inp = Inputs(T=T, x=torch.zeros(T, s.H, dtype=torch.bfloat16), topk_weights=w, topk_ids=ids, distinct_experts=0)
-    routing, gather, scatter = arm._routing(inp)
+    w, ids, (routing, gather, scatter) = _arm_routing(s, T, seed=2, by_topk=False)
     col, row, hist = arms.triton_kernels_route_indices(ids, s.E)
     assert torch.equal(gather.src_indx, col) and torch.equal(gather.dst_indx, row)
     assert torch.equal(scatter.src_indx, row) and torch.equal(scatter.dst_indx, col)
@@ -324,7 +333,7 @@ def test_prepare_builds_matmul_ogs_operands(monkeypatch, activation):
         experts = experts.with_activation(activation)
     arm = arms.TritonKernelsArm()
     arm.prepare(experts, Shape(E, H, I, 2), 8)
-    Hp, Ip = 128, 128  # (padded as its Hopper path is given them: TRITON_KERNELS_PAD_*)
+    Hp, Ip = 128, 128  # (each GEMM's K padded: TRITON_KERNELS_K_MULTIPLE)
     assert (arm.hidden, arm.intermediate) == (Hp, Ip) and "padded to 128, 128" in arm.note
     assert list(arm.w13.shape) == [E, Hp, 2 * Ip] and list(arm.w2.shape) == [E, Ip, Hp]
     assert list(arm.pc13.weight_scale.shape) == [E, Hp // 32, 2 * Ip]
@@ -353,15 +362,9 @@ def test_its_topk_gets_int32_ids_and_routes_every_expert(monkeypatch):
         return tk_topk.topk_torch(x, k, apply_softmax=apply_softmax, y_indx=y_indx)
 
     monkeypatch.setattr(tk_topk, "topk", recording_topk)
-    histc = torch.histc  # (its torch references histogram int32 ids, which torch's CPU histc refuses)
-    monkeypatch.setattr(torch, "histc", lambda t, *a, **kw: histc(t.float(), *a, **kw))
+    _histc_of_int_ids(monkeypatch)
     s = Shape(32, 64, 64, 4)
-    T = 19
-    w, ids, _, _ = testing.make_routing("uniform", T, s.E, s.top_k, seed=3)
-    arm = arms.TritonKernelsArm()
-    arm.shape, arm.route_by_topk = s, True
-    inp = Inputs(T=T, x=torch.zeros(T, s.H, dtype=torch.bfloat16), topk_weights=w, topk_ids=ids, distinct_experts=0)
-    routing, gather, scatter = arm._routing(inp)
+    w, ids, (routing, gather, scatter) = _arm_routing(s, 19, seed=3, by_topk=True)
     assert seen == [torch.int32]
     col, row, hist = arms.triton_kernels_route_indices(ids, s.E)
     assert torch.equal(gather.src_indx.long(), col.long()) and torch.equal(gather.dst_indx.long(), row.long())

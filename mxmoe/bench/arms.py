@@ -432,8 +432,7 @@ TRITON_KERNELS_NUM_WARPS = 8  # the Hopper scale layout's warps, which the GEMMs
 # Each GEMM's K padded to a multiple of 128: its Hopper MXFP4 GEMMs take 128-K tiles and load the swizzled scales
 # unmasked (matmul_ogs_details/_matmul_ogs.py, opt_flags_nvidia.py at e4e68d1), so a K of 2880 reads past a row's
 # scales (fixed upstream later). The layouts pad N themselves.
-TRITON_KERNELS_PAD_HIDDEN = 128
-TRITON_KERNELS_PAD_INTERMEDIATE = 128
+TRITON_KERNELS_K_MULTIPLE = 128
 
 
 @triton.jit(repr=lambda _: "_mxmoe_silu_mul")
@@ -564,8 +563,8 @@ class TritonKernelsArm(Arm):
         if experts.w13_global_scale is not None or experts.w2_global_scale is not None:
             raise NotImplementedError("per-expert global scales are not wired into the triton_kernels arm")
         self.shape = shape
-        self.hidden = cdiv(shape.H, TRITON_KERNELS_PAD_HIDDEN) * TRITON_KERNELS_PAD_HIDDEN
-        self.intermediate = cdiv(shape.I, TRITON_KERNELS_PAD_INTERMEDIATE) * TRITON_KERNELS_PAD_INTERMEDIATE
+        self.hidden, self.intermediate = (cdiv(n, TRITON_KERNELS_K_MULTIPLE) * TRITON_KERNELS_K_MULTIPLE
+                                          for n in (shape.H, shape.I))  # (GEMM1's K, GEMM2's K)
         src = triton_kernels_mxfp4_tensors(experts, self.hidden, self.intermediate)
         self.w13, s13 = triton_kernels_weight(src["w13"], src["w13_scale"])
         self.w2, s2 = triton_kernels_weight(src["w2"], src["w2_scale"])
