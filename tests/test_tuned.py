@@ -164,6 +164,24 @@ def overrides_off():
     return overrides(tuned=False)
 
 
+def test_the_shipped_w4a16_entries_fit_the_heuristics_of_a_132_sm_card():
+    """An entry applies only where the heuristics pick the kind of config it was measured on, so one they no longer
+    pick (a heuristic changed after the tuning) is dead: retune or delete it. W4A16 on the small-tile kernel, whose
+    kind depends on the shape, the rows and the SM count only (H100 SXM and H200: 132)."""
+    from mxmoe._details.config import gemm_config
+
+    checked = 0
+    for (name, shape, precision, top), entry in tuned.load_tables(tuned._table_files()).items():
+        if precision != "w4a16" or {k[0] for k in entry.default} != {"gluon_small"}:
+            continue
+        E, H, I, top_k = shape
+        kinds = tuple(tuned.kind(gemm_config(top * top_k, E, n, k, False, {}, "gluon_small", gemm1=gemm1, sm_count=132))
+                      for gemm1, n, k in ((True, I, H), (False, H, I)))
+        assert kinds == entry.default, (name, shape, top, kinds, entry.default)
+        checked += 1
+    assert checked
+
+
 @pytest.mark.gpu
 def test_the_shipped_entries_of_this_gpu_change_speed_only():
     """Every shipped entry of this GPU: the calls at its bucket's top and lowest T bitwise the calls with the tables
