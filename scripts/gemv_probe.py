@@ -1,0 +1,198 @@
+"""Decode GEMV probe (developer tool; perf-notes step 44; not library code): one route per program column, the
+prepared W4A16 words read straight into registers (no shared memory, no MMA), each word's 8 values placed as FP32
+by masked shifts (value * 2**-126, a subnormal for code 1: needs no flush-to-zero), multiplied by x * 2**100 (so
+products stay normal for |x| in [2**-100, 2**20]), summed per K32 block, times 2**(b - 101) per (row, block). Only
+the GEMM (N = all weight rows, gate and up alike), no epilogue: how fast T=1's weight bytes go through conversion
+and FMAs, next to the read-only floor of step 44.
+
+    TRITON_INTERPRET=1 python3 scripts/gemv_probe.py check      # CPU: against dequantized weights
+    python3 scripts/gemv_probe.py bench                          # GPU: configs x shapes, graphs, vs read-only kernels
+"""
+import os, sys, json, statistics
+import torch, triton, triton.language as tl
+sys.path.insert(0, os.getcwd())
+import mxmoe
+from mxmoe import testing
+from mxmoe.format import dequantize_mxfp4
+
+M_PAIR: tl.constexpr = tl.constexpr(0x81C081C0)
+
+
+@triton.jit
+def _pair_fp32(r):
+    """A register of two values (sign at 15 / 31, eem at 8..6 / 24..22) -> (lo, hi) FP32 of value * 2**-126."""
+    hi = (r & 0xFFFF0000).to(tl.float32, bitcast=True)
+    lo = (r << 16).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def gemv_kernel(w_ptr, s_ptr, xp_ptr, ids_ptr, out_ptr, N, K, top_k,
+                BN: tl.constexpr, KB: tl.constexpr, U: tl.constexpr):
+    """``xp``: x * 2**100 in FP32, planar by the words' value slots: xp[t, 2 j + c, w] = x[t, K of slot (j, c) of
+    word w] (``planar_x``), so that each slot's values of a thread's consecutive words are one vector load."""
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)
+    e = tl.load(ids_ptr + r).to(tl.int64)
+    token = r // top_k
+    KW = K // 8  # int32 words per row
+    W: tl.constexpr = KB * 4  # words per row and iteration
+    rows = pid_n * BN + tl.arange(0, BN)
+    # word offset of (row, word w): expert, 64-row block, unit (U bytes = U/4 words of the block's 64 rows), row, in-unit
+    row_base = e * N * KW + (rows // 64).to(tl.int64) * 64 * KW + (rows % 64) * (U // 4)
+    wi = tl.arange(0, W)
+    acc = tl.zeros([BN, KB], tl.float32)  # per (row, block slot): one cross-thread sum at the end
+    nblk = K // 32
+    x_row = xp_ptr + token.to(tl.int64) * K
+    for k0 in range(0, KW, W):
+        w = k0 + wi
+        ok = w < KW
+        wofs = (w // (U // 4)) * 64 * (U // 4) + w % (U // 4)
+        u = tl.load(w_ptr + row_base[:, None] + wofs[None, :], mask=ok[None, :], other=0).to(tl.uint32, bitcast=True)
+        for j in tl.static_range(4):
+            if j == 0:
+                rj = u & M_PAIR
+            elif j == 1:
+                rj = (u << 4) & M_PAIR
+            elif j == 2:
+                rj = ((u << 10) | (u >> 22)) & M_PAIR
+            else:
+                rj = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
+            lo, hi = _pair_fp32(rj)
+            x0 = tl.load(x_row + (2 * j) * KW + w, mask=ok, other=0.0)
+            x1 = tl.load(x_row + (2 * j + 1) * KW + w, mask=ok, other=0.0)
+            if j == 0:
+                part = lo * x0[None, :]
+            else:
+                part = part + lo * x0[None, :]
+            part = part + hi * x1[None, :]
+        kb = k0 // 4 + tl.arange(0, KB)
+        b = tl.load(s_ptr + e * N * nblk + rows[:, None].to(tl.int64) * nblk + kb[None, :], mask=(kb < nblk)[None, :],
+                    other=0)
+        fac = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 67108864.0  # 2**(b - 127) * 2**26 (b >= 1)
+        acc += tl.sum(part.reshape(BN, KB, 4), axis=2) * fac
+    tl.store(out_ptr + r.to(tl.int64) * N + rows, tl.sum(acc, axis=1))
+
+
+def planar_x(x):
+    """x [T, K] -> FP32 x * 2**100 [T, 8, K/8]: slot (j, c) of word w = 4 blk + q holds K 32 blk + 8 j + 2 q + c."""
+    T, K = x.shape
+    v = x.float().mul(2.0 ** 100).view(T, K // 32, 4, 4, 2)  # [T, blk, j, q, c]
+    return v.permute(0, 2, 4, 1, 3).reshape(T, 8, K // 8).contiguous()
+
+
+def gemv(w, s, xp, ids, out, BN=32, KB=8, num_warps=4, num_stages=2):
+    E, N, KH = w.shape
+    K = 2 * KH
+    U = mxmoe.prepare.row_block_unit(K)
+    grid = (N // BN, ids.numel())
+    gemv_kernel[grid](w.view(torch.int32), s, xp, ids.view(-1), out, N, K, ids.shape[-1], BN=BN, KB=KB, U=U,
+                      num_warps=num_warps, num_stages=num_stages)
+
+
+@triton.jit
+def rd(w_ptr, s_ptr, ids, out, W_WORDS, S_WORDS, BLOCK: tl.constexpr):
+    """Read-only twin (step 44): one BLOCK of int32 words of a route's expert weights or scales per program."""
+    pid = tl.program_id(0)
+    r = tl.program_id(1)
+    e = tl.load(ids + r).to(tl.int64)
+    nw = tl.cdiv(W_WORDS, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    if pid < nw:
+        idx = pid * BLOCK + offs
+        v = tl.load(w_ptr + e * W_WORDS + idx, mask=idx < W_WORDS, other=0)
+    else:
+        idx = (pid - nw) * BLOCK + offs
+        v = tl.load(s_ptr + e * S_WORDS + idx, mask=idx < S_WORDS, other=0)
+    tl.store(out + r * tl.num_programs(0) + pid, tl.xor_sum(v, axis=0))
+
+
+def words(t):
+    return t.reshape(t.shape[0], -1).view(torch.int32)
+
+
+def reference(ex, w, s, x, ids, which):
+    src = ex.source_order_weights()[which]  # [E, N, K/2] source order
+    out = []
+    for r, e in enumerate(ids.view(-1).tolist()):
+        W = dequantize_mxfp4(src[e], s[e], torch.float64)
+        out.append(W @ x[r // ids.shape[-1]].double())
+    return torch.stack(out)
+
+
+def check():
+    torch.manual_seed(0)
+    for (E, H, I, top_k, T) in ((4, 128, 64, 2, 1), (3, 96, 64, 2, 2), (5, 2880 // 10 + 32, 320, 3, 1)):
+        ex = mxmoe.prepare_weights(**testing.random_code_sources(E, H, I, seed=1))
+        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).int()
+        x = torch.randn(T, H).bfloat16()
+        for which, (w, s, xin) in enumerate(((ex.w13, ex.w13_scale, x), (ex.w2, ex.w2_scale, torch.randn(T, I).bfloat16()))):
+            N = w.shape[1]
+            out = torch.full((ids.numel(), N), float("nan"))
+            gemv(w, s, planar_x(xin), ids, out, BN=32 if N % 32 == 0 else 16, KB=4)
+            ref = reference(ex, w, s, xin, ids, which)
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            print(f"E={E} H={H} I={I} T={T} {'w13' if which == 0 else 'w2'}: rel {rel:.2e}, nan {out.isnan().sum().item()}")
+            assert rel < 1e-6 and not out.isnan().any()
+
+
+def bench():
+    from mxmoe.bench import capture_graph
+    res = {"device": torch.cuda.get_device_name(), "rows": []}
+    print(res["device"])
+
+    def replay_us(g, reps=100):
+        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record(); torch.cuda.synchronize()
+        return a.elapsed_time(b) / reps * 1e3
+
+    for name, (E, H, I, top_k) in (("gpt-oss-120b", (128, 2880, 2880, 4)), ("ref", (288, 4096, 1024, 8))):
+        ex = mxmoe.prepare_weights(**testing.random_code_sources(E, H, I, device="cuda", scale_lo=118, scale_hi=122))
+        g = torch.Generator(device="cuda").manual_seed(1)
+        ids = torch.randperm(E, device="cuda", generator=g)[:top_k].view(1, top_k).int()
+        x1 = torch.randn(1, H, device="cuda").bfloat16()
+        x2 = torch.randn(1, I, device="cuda").bfloat16()
+        xp1, xp2 = planar_x(x1), planar_x(x2)
+        o1 = torch.empty(top_k, 2 * I, device="cuda"); o2 = torch.empty(top_k, H, device="cuda")
+        ref1 = reference(ex, ex.w13, ex.w13_scale, x1, ids, 0).float()
+        ref2 = reference(ex, ex.w2, ex.w2_scale, x2, ids, 1).float()
+        # the same bytes read only (step 44's kernel), in this run
+        flat = ids.view(-1)
+        sink = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+
+        def reader(wt, st, block=2048):
+            ww, ss = words(wt), words(st)
+            grid = (triton.cdiv(ww.shape[1], block) + triton.cdiv(ss.shape[1], block), top_k)
+            return lambda: rd[grid](ww, ss, flat, sink, ww.shape[1], ss.shape[1], BLOCK=block, num_warps=4)
+        r1, r2 = reader(ex.w13, ex.w13_scale), reader(ex.w2, ex.w2_scale)
+        res["rows"].append(dict(shape=name, read_only=True, both_us=statistics.median(replay_us(capture_graph(lambda: (r1(), r2()))) for _ in range(3)),
+                                g1_us=statistics.median(replay_us(capture_graph(r1)) for _ in range(3)),
+                                g2_us=statistics.median(replay_us(capture_graph(r2)) for _ in range(3))))
+        print(name, "read only", json.dumps(res["rows"][-1]))
+        for BN in (32, 64, 128):
+            for KB in (4, 8):
+                for nw in (4, 8):
+                    for ns in (1, 2):
+                        cfg = dict(BN=BN, KB=KB, num_warps=nw, num_stages=ns)
+                        try:
+                            f1 = lambda: gemv(ex.w13, ex.w13_scale, xp1, ids, o1, **cfg)
+                            f2 = lambda: gemv(ex.w2, ex.w2_scale, xp2, ids, o2, **cfg)
+                            both = capture_graph(lambda: (f1(), f2()))
+                            g1 = capture_graph(f1); g2 = capture_graph(f2)
+                            t = [statistics.median(replay_us(gr) for _ in range(3)) for gr in (both, g1, g2)]
+                            err = max(((o1 - ref1).norm() / ref1.norm()).item(), ((o2 - ref2).norm() / ref2.norm()).item())
+                            row = dict(shape=name, **cfg, both_us=t[0], g1_us=t[1], g2_us=t[2], rel=err)
+                        except Exception as exc:
+                            row = dict(shape=name, **cfg, error=repr(exc)[:120])
+                        res["rows"].append(row)
+        best = min((r for r in res["rows"] if r["shape"] == name and "both_us" in r and "read_only" not in r), key=lambda r: r["both_us"])
+        print(name, "best", json.dumps(best))
+    if os.environ.get("OUT"):
+        json.dump(res, open(os.path.join(os.environ["OUT"], "gemv_probe.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    check() if sys.argv[1:] == ["check"] else bench()
