@@ -27,6 +27,51 @@ def _pair_fp32(r):
 
 
 @triton.jit
+def _gemv_step(acc, w_ptr, s_ptr, x_row, row_base, rows, e, N, KW, nblk, k0, BN: tl.constexpr, KB: tl.constexpr,
+               U: tl.constexpr, MASKED: tl.constexpr):
+    """Words k0 .. k0 + 4 KB of the program's rows into the per-(row, block slot) sums ``acc`` [BN, KB]; ``MASKED``
+    only for the last, partial step (K tail)."""
+    W: tl.constexpr = KB * 4
+    w = k0 + tl.arange(0, W)
+    ok = w < KW
+    wofs = (w // (U // 4)) * 64 * (U // 4) + w % (U // 4)
+    if MASKED:
+        u = tl.load(w_ptr + row_base[:, None] + wofs[None, :], mask=ok[None, :], other=0)
+    else:
+        u = tl.load(w_ptr + row_base[:, None] + wofs[None, :])
+    u = u.to(tl.uint32, bitcast=True)
+    for j in tl.static_range(4):
+        if j == 0:
+            rj = u & M_PAIR
+        elif j == 1:
+            rj = (u << 4) & M_PAIR
+        elif j == 2:
+            rj = ((u << 10) | (u >> 22)) & M_PAIR
+        else:
+            rj = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
+        lo, hi = _pair_fp32(rj)
+        if MASKED:
+            x0 = tl.load(x_row + (2 * j) * KW + w, mask=ok, other=0.0)
+            x1 = tl.load(x_row + (2 * j + 1) * KW + w, mask=ok, other=0.0)
+        else:
+            x0 = tl.load(x_row + (2 * j) * KW + w)
+            x1 = tl.load(x_row + (2 * j + 1) * KW + w)
+        if j == 0:
+            part = lo * x0[None, :]
+        else:
+            part = part + lo * x0[None, :]
+        part = part + hi * x1[None, :]
+    kb = k0 // 4 + tl.arange(0, KB)
+    s_ptrs = s_ptr + e * N * nblk + rows[:, None].to(tl.int64) * nblk + kb[None, :]
+    if MASKED:
+        b = tl.load(s_ptrs, mask=(kb < nblk)[None, :], other=0)
+    else:
+        b = tl.load(s_ptrs)
+    fac = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 67108864.0  # 2**(b - 127) * 2**26 (b >= 1)
+    return acc + tl.sum(part.reshape(BN, KB, 4), axis=2) * fac
+
+
+@triton.jit
 def gemv_kernel(w_ptr, s_ptr, xp_ptr, ids_ptr, out_ptr, N, K, top_k,
                 BN: tl.constexpr, KB: tl.constexpr, U: tl.constexpr):
     """``xp``: x * 2**100 in FP32, planar by the words' value slots: xp[t, 2 j + c, w] = x[t, K of slot (j, c) of
@@ -36,41 +81,18 @@ def gemv_kernel(w_ptr, s_ptr, xp_ptr, ids_ptr, out_ptr, N, K, top_k,
     e = tl.load(ids_ptr + r).to(tl.int64)
     token = r // top_k
     KW = K // 8  # int32 words per row
-    W: tl.constexpr = KB * 4  # words per row and iteration
+    W: tl.constexpr = KB * 4  # words per row and step
     rows = pid_n * BN + tl.arange(0, BN)
     # word offset of (row, word w): expert, 64-row block, unit (U bytes = U/4 words of the block's 64 rows), row, in-unit
     row_base = e * N * KW + (rows // 64).to(tl.int64) * 64 * KW + (rows % 64) * (U // 4)
-    wi = tl.arange(0, W)
     acc = tl.zeros([BN, KB], tl.float32)  # per (row, block slot): one cross-thread sum at the end
     nblk = K // 32
     x_row = xp_ptr + token.to(tl.int64) * K
-    for k0 in range(0, KW, W):
-        w = k0 + wi
-        ok = w < KW
-        wofs = (w // (U // 4)) * 64 * (U // 4) + w % (U // 4)
-        u = tl.load(w_ptr + row_base[:, None] + wofs[None, :], mask=ok[None, :], other=0).to(tl.uint32, bitcast=True)
-        for j in tl.static_range(4):
-            if j == 0:
-                rj = u & M_PAIR
-            elif j == 1:
-                rj = (u << 4) & M_PAIR
-            elif j == 2:
-                rj = ((u << 10) | (u >> 22)) & M_PAIR
-            else:
-                rj = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
-            lo, hi = _pair_fp32(rj)
-            x0 = tl.load(x_row + (2 * j) * KW + w, mask=ok, other=0.0)
-            x1 = tl.load(x_row + (2 * j + 1) * KW + w, mask=ok, other=0.0)
-            if j == 0:
-                part = lo * x0[None, :]
-            else:
-                part = part + lo * x0[None, :]
-            part = part + hi * x1[None, :]
-        kb = k0 // 4 + tl.arange(0, KB)
-        b = tl.load(s_ptr + e * N * nblk + rows[:, None].to(tl.int64) * nblk + kb[None, :], mask=(kb < nblk)[None, :],
-                    other=0)
-        fac = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 67108864.0  # 2**(b - 127) * 2**26 (b >= 1)
-        acc += tl.sum(part.reshape(BN, KB, 4), axis=2) * fac
+    full = KW - KW % W
+    for k0 in range(0, full, W):
+        acc = _gemv_step(acc, w_ptr, s_ptr, x_row, row_base, rows, e, N, KW, nblk, k0, BN, KB, U, False)
+    if full < KW:
+        acc = _gemv_step(acc, w_ptr, s_ptr, x_row, row_base, rows, e, N, KW, nblk, full, BN, KB, U, True)
     tl.store(out_ptr + r.to(tl.int64) * N + rows, tl.sum(acc, axis=1))
 
 
