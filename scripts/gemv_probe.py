@@ -7,6 +7,10 @@ and FMAs, next to the read-only floor of step 44.
 
     TRITON_INTERPRET=1 python3 scripts/gemv_probe.py check      # CPU: against dequantized weights
     python3 scripts/gemv_probe.py bench                          # GPU: configs x shapes, graphs, vs read-only kernels
+
+Two variants: ``shifts`` (``gemv_kernel``, above) and ``bf16`` (``gemv_bf16_kernel``: the library's W4A16 weights, BF16
+with the block scale folded by the kernels' asm, unpacked to FP32; x read in place as BF16 pairs; the row's 2**(r - 127)
+at the end; no range limit on x).
 """
 import os, sys, json, statistics
 import torch, triton, triton.language as tl
@@ -14,8 +18,19 @@ sys.path.insert(0, os.getcwd())
 import mxmoe
 from mxmoe import testing
 from mxmoe.format import dequantize_mxfp4
+from mxmoe._details import interpreting
+from mxmoe._details.convert import FOLD_REF_MAX, e2m1_to_bf16, fold_ref, pow2
 
 M_PAIR: tl.constexpr = tl.constexpr(0x81C081C0)
+# convert.E2M1X8_TO_BF16_HALVES_ASM's conversion with each BF16x2 product kept whole ($0..$3: the pairs j = 0..3)
+BF16X2_PAIRS_ASM: tl.constexpr = tl.constexpr("""{
+    .reg .b32 t, u;
+    and.b32 t, $4, 0x81C081C0; mul.rn.bf16x2 $0, t, $5;
+    shl.b32 t, $4, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $1, t, $5;
+    shf.l.wrap.b32 t, $4, $4, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $2, t, $5;
+    shl.b32 t, $4, 6; and.b32 t, t, 0x80C080C0; shr.b32 u, $4, 2; and.b32 u, u, 0x01000100; or.b32 t, t, u;
+    mul.rn.bf16x2 $3, t, $5;
+    }""")
 
 
 @triton.jit
@@ -96,6 +111,110 @@ def gemv_kernel(w_ptr, s_ptr, xp_ptr, ids_ptr, out_ptr, N, K, top_k,
     tl.store(out_ptr + r.to(tl.int64) * N + rows, tl.sum(acc, axis=1))
 
 
+@triton.jit
+def _slot_value(u, d, j: tl.constexpr, c: tl.constexpr):
+    """The plain twin of one asm output: value (j, c) of each word as FP32 of E2M1 times 2**d (BF16 rules)."""
+    if j == 0:
+        rj = u & M_PAIR
+    elif j == 1:
+        rj = (u << 4) & M_PAIR
+    elif j == 2:
+        rj = ((u << 10) | (u >> 22)) & M_PAIR
+    else:
+        rj = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
+    lane = (rj >> (16 * c)) & 0xFFFF
+    codes = (((lane >> 12) & 8) | ((lane >> 6) & 7)).to(tl.int32)
+    return e2m1_to_bf16(codes, d).to(tl.float32)
+
+
+@triton.jit
+def _bf16_slots(u, f, d, PURE: tl.constexpr):
+    """Words [BN, W] -> their 8 values (slot 2j + c: K 8j + 2q + c) as FP32 of the library's W4A16 BF16 weights, E2M1
+    times 2**d (the asm: BF16x2 factor f = 2**(126 + d) per word; PURE: the plain twin, codes from the same shifts)."""
+    if PURE:
+        return (_slot_value(u, d, 0, 0), _slot_value(u, d, 0, 1), _slot_value(u, d, 1, 0), _slot_value(u, d, 1, 1),
+                _slot_value(u, d, 2, 0), _slot_value(u, d, 2, 1), _slot_value(u, d, 3, 0), _slot_value(u, d, 3, 1))
+    else:  # the asm's four BF16x2 products as 32-bit registers: each half to FP32 by one mask or shift
+        t0, t1, t2, t3 = tl.inline_asm_elementwise(BF16X2_PAIRS_ASM, "=r,=r,=r,=r,r,r", [u, f], dtype=(tl.uint32, ) * 4,
+                                                   is_pure=True, pack=1)
+        return ((t0 << 16).to(tl.float32, bitcast=True), (t0 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (t1 << 16).to(tl.float32, bitcast=True), (t1 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (t2 << 16).to(tl.float32, bitcast=True), (t2 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (t3 << 16).to(tl.float32, bitcast=True), (t3 & 0xFFFF0000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _bf16_step(acc, w_ptr, s_ptr, x_row, row_base, rows, ref, e, N, KW, nblk, k0, BN: tl.constexpr, KB: tl.constexpr,
+               U: tl.constexpr, PURE: tl.constexpr, MASKED: tl.constexpr):
+    """Words k0 .. k0 + 4 KB of the program's rows into ``acc`` [BN, 4 KB]; ``MASKED`` only for the K tail."""
+    W: tl.constexpr = KB * 4
+    w = k0 + tl.arange(0, W)
+    ok = w < KW
+    wofs = (w // (U // 4)) * 64 * (U // 4) + w % (U // 4)
+    kb = k0 // 4 + tl.arange(0, KB)
+    s_ptrs = s_ptr + e * N * nblk + rows[:, None].to(tl.int64) * nblk + kb[None, :]
+    if MASKED:
+        u = tl.load(w_ptr + row_base[:, None] + wofs[None, :], mask=ok[None, :], other=0)
+        b = tl.load(s_ptrs, mask=(kb < nblk)[None, :], other=0)
+    else:
+        u = tl.load(w_ptr + row_base[:, None] + wofs[None, :])
+        b = tl.load(s_ptrs)
+    u = u.to(tl.uint32, bitcast=True)
+    d = b.to(tl.int32) - ref[:, None]  # [BN, KB]
+    f = (FOLD_REF_MAX + d) << 7
+    f = (f | (f << 16)).to(tl.uint32, bitcast=True)
+    d = tl.broadcast_to(d[:, :, None], (BN, KB, 4)).reshape(BN, W)
+    f = tl.broadcast_to(f[:, :, None], (BN, KB, 4)).reshape(BN, W)
+    v = _bf16_slots(u, f, d, PURE)
+    # the pair of slot j of word 4 kb + q: int32 16 kb + 4 j + q of the row, 4 words of a block contiguous
+    xi = 16 * kb[:, None] + tl.arange(0, 4)[None, :]
+    for j in tl.static_range(4):
+        idx = tl.max_contiguous(tl.multiple_of((xi + 4 * j).reshape(W), 4), 4)
+        if MASKED:
+            x2 = tl.load(x_row + idx, mask=ok, other=0)
+        else:
+            x2 = tl.load(x_row + idx)
+        x_lo = (x2 << 16).to(tl.float32, bitcast=True)
+        x_hi = (x2 & -65536).to(tl.float32, bitcast=True)
+        acc += v[2 * j] * x_lo[None, :]
+        acc += v[2 * j + 1] * x_hi[None, :]
+    return acc
+
+
+@triton.jit
+def gemv_bf16_kernel(w_ptr, s_ptr, ref_ptr, x_ptr, ids_ptr, out_ptr, N, K, top_k,
+                     BN: tl.constexpr, KB: tl.constexpr, U: tl.constexpr, PURE: tl.constexpr):
+    """The W4A16 weights of the library (BF16, the block's 2**(b - r) folded, r = fold_ref(row ref); 2**(r - 127) per
+    row at the end) by the kernels' asm, times x read in place as BF16 pairs, FP32 FFMAs."""
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)
+    e = tl.load(ids_ptr + r).to(tl.int64)
+    token = r // top_k
+    KW = K // 8
+    W: tl.constexpr = KB * 4
+    rows = pid_n * BN + tl.arange(0, BN)
+    row_base = e * N * KW + (rows // 64).to(tl.int64) * 64 * KW + (rows % 64) * (U // 4)
+    ref = fold_ref(tl.load(ref_ptr + e * N + rows))
+    acc = tl.zeros([BN, W], tl.float32)
+    nblk = K // 32
+    x_row = x_ptr + token.to(tl.int64) * (K // 2)  # int32 pairs
+    full = KW - KW % W
+    for k0 in range(0, full, W):
+        acc = _bf16_step(acc, w_ptr, s_ptr, x_row, row_base, rows, ref, e, N, KW, nblk, k0, BN, KB, U, PURE, False)
+    if full < KW:
+        acc = _bf16_step(acc, w_ptr, s_ptr, x_row, row_base, rows, ref, e, N, KW, nblk, full, BN, KB, U, PURE, True)
+    tl.store(out_ptr + r.to(tl.int64) * N + rows, tl.sum(acc, axis=1) * pow2(ref - 127))
+
+
+def gemv_bf16(w, s, ref, x, ids, out, BN=32, KB=8, num_warps=4, num_stages=2):
+    E, N, KH = w.shape
+    K = 2 * KH
+    U = mxmoe.prepare.row_block_unit(K)
+    grid = (N // BN, ids.numel())
+    gemv_bf16_kernel[grid](w.view(torch.int32), s, ref, x.view(torch.int32), ids.view(-1), out, N, K, ids.shape[-1],
+                           BN=BN, KB=KB, U=U, PURE=interpreting(), num_warps=num_warps, num_stages=num_stages)
+
+
 def planar_x(x):
     """x [T, K] -> FP32 x * 2**100 [T, 8, K/8]: slot (j, c) of word w = 4 blk + q holds K 32 blk + 8 j + 2 q + c."""
     T, K = x.shape
@@ -150,12 +269,18 @@ def check():
         x = torch.randn(T, H).bfloat16()
         for which, (w, s, xin) in enumerate(((ex.w13, ex.w13_scale, x), (ex.w2, ex.w2_scale, torch.randn(T, I).bfloat16()))):
             N = w.shape[1]
-            out = torch.full((ids.numel(), N), float("nan"))
-            gemv(w, s, planar_x(xin), ids, out, BN=32 if N % 32 == 0 else 16, KB=4)
             ref = reference(ex, w, s, xin, ids, which)
-            rel = ((out.double() - ref).norm() / ref.norm()).item()
-            print(f"E={E} H={H} I={I} T={T} {'w13' if which == 0 else 'w2'}: rel {rel:.2e}, nan {out.isnan().sum().item()}")
-            assert rel < 1e-6 and not out.isnan().any()
+            row_ref = ex.w13_ref if which == 0 else ex.w2_ref
+            for variant in ("shifts", "bf16"):
+                out = torch.full((ids.numel(), N), float("nan"))
+                if variant == "shifts":
+                    gemv(w, s, planar_x(xin), ids, out, BN=32 if N % 32 == 0 else 16, KB=4)
+                else:
+                    gemv_bf16(w, s, row_ref, xin, ids, out, BN=32 if N % 32 == 0 else 16, KB=4)
+                rel = ((out.double() - ref).norm() / ref.norm()).item()
+                print(f"E={E} H={H} I={I} T={T} {'w13' if which == 0 else 'w2'} {variant}: rel {rel:.2e}, "
+                      f"nan {out.isnan().sum().item()}")
+                assert rel < 1e-6 and not out.isnan().any()
 
 
 def bench():
@@ -194,26 +319,54 @@ def bench():
                                 g1_us=statistics.median(replay_us(capture_graph(r1)) for _ in range(3)),
                                 g2_us=statistics.median(replay_us(capture_graph(r2)) for _ in range(3))))
         print(name, "read only", json.dumps(res["rows"][-1]))
-        for BN in (32, 64, 128):
-            for KB in (4, 8):
-                for nw in (4, 8):
-                    for ns in (1, 2):
-                        cfg = dict(BN=BN, KB=KB, num_warps=nw, num_stages=ns)
-                        try:
-                            f1 = lambda: gemv(ex.w13, ex.w13_scale, xp1, ids, o1, **cfg)
-                            f2 = lambda: gemv(ex.w2, ex.w2_scale, xp2, ids, o2, **cfg)
-                            both = capture_graph(lambda: (f1(), f2()))
-                            g1 = capture_graph(f1); g2 = capture_graph(f2)
-                            t = [statistics.median(replay_us(gr) for _ in range(3)) for gr in (both, g1, g2)]
-                            err = max(((o1 - ref1).norm() / ref1.norm()).item(), ((o2 - ref2).norm() / ref2.norm()).item())
-                            row = dict(shape=name, **cfg, both_us=t[0], g1_us=t[1], g2_us=t[2], rel=err)
-                        except Exception as exc:
-                            row = dict(shape=name, **cfg, error=repr(exc)[:120])
-                        res["rows"].append(row)
-        best = min((r for r in res["rows"] if r["shape"] == name and "both_us" in r and "read_only" not in r), key=lambda r: r["both_us"])
-        print(name, "best", json.dumps(best))
+        calls = {
+            "shifts": lambda cfg: (lambda: gemv(ex.w13, ex.w13_scale, xp1, ids, o1, **cfg),
+                                   lambda: gemv(ex.w2, ex.w2_scale, xp2, ids, o2, **cfg)),
+            "bf16": lambda cfg: (lambda: gemv_bf16(ex.w13, ex.w13_scale, ex.w13_ref, x1, ids, o1, **cfg),
+                                 lambda: gemv_bf16(ex.w2, ex.w2_scale, ex.w2_ref, x2, ids, o2, **cfg)),
+        }
+        for variant, make in calls.items():
+            for BN in (32, 64, 128):
+                for KB in (4, 8):
+                    for nw in (4, 8):
+                        for ns in (1, 2):
+                            cfg = dict(BN=BN, KB=KB, num_warps=nw, num_stages=ns)
+                            try:
+                                o1.fill_(float("nan")); o2.fill_(float("nan"))
+                                f1, f2 = make(cfg)
+                                both = capture_graph(lambda: (f1(), f2()))
+                                g1 = capture_graph(f1); g2 = capture_graph(f2)
+                                t = [statistics.median(replay_us(gr) for _ in range(3)) for gr in (both, g1, g2)]
+                                err = max(((o1 - ref1).norm() / ref1.norm()).item(), ((o2 - ref2).norm() / ref2.norm()).item())
+                                row = dict(shape=name, variant=variant, **cfg, both_us=t[0], g1_us=t[1], g2_us=t[2], rel=err)
+                            except Exception as exc:
+                                row = dict(shape=name, variant=variant, **cfg, error=repr(exc)[:120])
+                            res["rows"].append(row)
+            best = min((r for r in res["rows"] if r["shape"] == name and r.get("variant") == variant and "both_us" in r),
+                       key=lambda r: r["both_us"], default=None)
+            print(name, variant, "best", json.dumps(best))
+        # today's whole T=1 call (both GEMMs, activation, top-k sum), graph, same run
+        ws = mxmoe.Workspace(ex, 1, top_k)
+        tw = torch.rand(1, top_k, device="cuda")
+        out = torch.empty_like(x1)
+        call = capture_graph(lambda: mxmoe.fused_moe(x1, ex, tw, ids, workspace=ws, out=out))
+        res["rows"].append(dict(shape=name, mxmoe_call=True, both_us=statistics.median(replay_us(call) for _ in range(3))))
+        print(name, "mxmoe T=1 call", res["rows"][-1]["both_us"])
     if os.environ.get("OUT"):
         json.dump(res, open(os.path.join(os.environ["OUT"], "gemv_probe.json"), "w"), indent=1)
+    print("| shape | read only: both / GEMM1 / GEMM2 us | GEMV shifts: best both (config) | GEMV bf16 | mxmoe T=1 call |")
+    for name in dict.fromkeys(r["shape"] for r in res["rows"]):
+        mine = [r for r in res["rows"] if r["shape"] == name]
+        rd_ = next(r for r in mine if r.get("read_only"))
+        cells = []
+        for variant in ("shifts", "bf16"):
+            ok = [r for r in mine if r.get("variant") == variant and "both_us" in r]
+            b = min(ok, key=lambda r: r["both_us"]) if ok else None
+            cells.append("-" if b is None else f"{b['both_us']:.1f} ({b['g1_us']:.1f} + {b['g2_us']:.1f}; BN {b['BN']} KB {b['KB']} "
+                         f"w{b['num_warps']} s{b['num_stages']}; rel {b['rel']:.1e})")
+        call = next(r for r in mine if r.get("mxmoe_call"))
+        print(f"| {name} | {rd_['both_us']:.1f} / {rd_['g1_us']:.1f} / {rd_['g2_us']:.1f} | {cells[0]} | {cells[1]} | "
+              f"{call['both_us']:.1f} |")
 
 
 if __name__ == "__main__":
