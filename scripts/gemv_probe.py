@@ -34,6 +34,20 @@ BF16X2_PAIRS_ASM: tl.constexpr = tl.constexpr("""{
 
 
 @triton.jit
+def _pair_bits(u, j: tl.constexpr):
+    """Value pair j of each prepared word (``prepare.interleave_block_bits``): sign at bit 15 / 31, eem at 8..6 / 24..22."""
+    if j == 0:
+        rj = u & M_PAIR
+    elif j == 1:
+        rj = (u << 4) & M_PAIR
+    elif j == 2:
+        rj = ((u << 10) | (u >> 22)) & M_PAIR
+    else:
+        rj = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
+    return rj
+
+
+@triton.jit
 def _pair_fp32(r):
     """A register of two values (sign at 15 / 31, eem at 8..6 / 24..22) -> (lo, hi) FP32 of value * 2**-126."""
     hi = (r & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -56,15 +70,7 @@ def _gemv_step(acc, w_ptr, s_ptr, x_row, row_base, rows, e, N, KW, nblk, k0, BN:
         u = tl.load(w_ptr + row_base[:, None] + wofs[None, :])
     u = u.to(tl.uint32, bitcast=True)
     for j in tl.static_range(4):
-        if j == 0:
-            rj = u & M_PAIR
-        elif j == 1:
-            rj = (u << 4) & M_PAIR
-        elif j == 2:
-            rj = ((u << 10) | (u >> 22)) & M_PAIR
-        else:
-            rj = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
-        lo, hi = _pair_fp32(rj)
+        lo, hi = _pair_fp32(_pair_bits(u, j))
         if MASKED:
             x0 = tl.load(x_row + (2 * j) * KW + w, mask=ok, other=0.0)
             x1 = tl.load(x_row + (2 * j + 1) * KW + w, mask=ok, other=0.0)
@@ -114,15 +120,7 @@ def gemv_kernel(w_ptr, s_ptr, xp_ptr, ids_ptr, out_ptr, N, K, top_k,
 @triton.jit
 def _slot_value(u, d, j: tl.constexpr, c: tl.constexpr):
     """The plain twin of one asm output: value (j, c) of each word as FP32 of E2M1 times 2**d (BF16 rules)."""
-    if j == 0:
-        rj = u & M_PAIR
-    elif j == 1:
-        rj = (u << 4) & M_PAIR
-    elif j == 2:
-        rj = ((u << 10) | (u >> 22)) & M_PAIR
-    else:
-        rj = ((u << 6) & 0x80C080C0) | ((u >> 2) & 0x01000100)
-    lane = (rj >> (16 * c)) & 0xFFFF
+    lane = (_pair_bits(u, j) >> (16 * c)) & 0xFFFF
     codes = (((lane >> 12) & 8) | ((lane >> 6) & 7)).to(tl.int32)
     return e2m1_to_bf16(codes, d).to(tl.float32)
 
