@@ -7,6 +7,7 @@ and FMAs, next to the read-only floor of step 44.
 
     TRITON_INTERPRET=1 python3 scripts/gemv_probe.py check      # CPU: against dequantized weights
     python3 scripts/gemv_probe.py bench                          # GPU: configs x shapes, graphs, vs read-only kernels
+    TRITON_INTERPRET=1 python3 scripts/gemv_probe.py bench --dry   # CPU: the bench's own code on a tiny shape
 
 Two variants: ``shifts`` (``gemv_kernel``, above) and ``bf16`` (``gemv_bf16_kernel``: the library's W4A16 weights, BF16
 with the block scale folded by the kernels' asm, unpacked to FP32; x read in place as BF16 pairs; the row's 2**(r - 127)
@@ -208,6 +209,8 @@ def gemv_bf16(w, s, ref, x, ids, out, BN=32, KB=8, num_warps=4, num_stages=2):
     E, N, KH = w.shape
     K = 2 * KH
     U = mxmoe.prepare.row_block_unit(K)
+    if N % BN or (BN < 64 and 64 % BN):
+        raise ValueError(f"BN={BN} must divide N={N}")
     grid = (N // BN, ids.numel())
     gemv_bf16_kernel[grid](w.view(torch.int32), s, ref, x.view(torch.int32), ids.view(-1), out, N, K, ids.shape[-1],
                            BN=BN, KB=KB, U=U, PURE=interpreting(), num_warps=num_warps, num_stages=num_stages)
@@ -224,6 +227,8 @@ def gemv(w, s, xp, ids, out, BN=32, KB=8, num_warps=4, num_stages=2):
     E, N, KH = w.shape
     K = 2 * KH
     U = mxmoe.prepare.row_block_unit(K)
+    if N % BN or (BN < 64 and 64 % BN):
+        raise ValueError(f"BN={BN} must divide N={N}")
     grid = (N // BN, ids.numel())
     gemv_kernel[grid](w.view(torch.int32), s, xp, ids.view(-1), out, N, K, ids.shape[-1], BN=BN, KB=KB, U=U,
                       num_warps=num_warps, num_stages=num_stages)
@@ -281,12 +286,31 @@ def check():
                 assert rel < 1e-6 and not out.isnan().any()
 
 
-def bench():
+class _CpuGraph:
+    """``bench --dry`` on the CPU (interpreter): a "graph" that calls its function, so the script's own code runs."""
+    def __init__(self, fn):
+        self.fn = fn
+        fn()
+
+    def replay(self):
+        self.fn()
+
+
+def bench(dry: bool = False):
+    """GPU: both variants' configs on gpt-oss-120b and the reference shape at T=1. ``dry``: the same code on tiny
+    shapes on the CPU under the interpreter (catches the script's own errors before device time is spent)."""
+    import time
     from mxmoe.bench import capture_graph
-    res = {"device": torch.cuda.get_device_name(), "rows": []}
+    dev = "cpu" if dry else "cuda"
+    res = {"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(), "rows": []}
     print(res["device"])
+    graph = _CpuGraph if dry else capture_graph
 
     def replay_us(g, reps=100):
+        if dry:
+            t0 = time.perf_counter()
+            g.replay()
+            return (time.perf_counter() - t0) * 1e6
         a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(reps):
@@ -294,28 +318,29 @@ def bench():
         b.record(); torch.cuda.synchronize()
         return a.elapsed_time(b) / reps * 1e3
 
-    for name, (E, H, I, top_k) in (("gpt-oss-120b", (128, 2880, 2880, 4)), ("ref", (288, 4096, 1024, 8))):
-        ex = mxmoe.prepare_weights(**testing.random_code_sources(E, H, I, device="cuda", scale_lo=118, scale_hi=122))
-        g = torch.Generator(device="cuda").manual_seed(1)
-        ids = torch.randperm(E, device="cuda", generator=g)[:top_k].view(1, top_k).int()
-        x1 = torch.randn(1, H, device="cuda").bfloat16()
-        x2 = torch.randn(1, I, device="cuda").bfloat16()
+    shapes = (("tiny", (4, 128, 64, 2)), ) if dry else (("gpt-oss-120b", (128, 2880, 2880, 4)), ("ref", (288, 4096, 1024, 8)))
+    for name, (E, H, I, top_k) in shapes:
+        ex = mxmoe.prepare_weights(**testing.random_code_sources(E, H, I, device=dev, scale_lo=118, scale_hi=122))
+        g = torch.Generator(device=dev).manual_seed(1)
+        ids = torch.randperm(E, device=dev, generator=g)[:top_k].view(1, top_k).int()
+        x1 = torch.randn(1, H, device=dev).bfloat16()
+        x2 = torch.randn(1, I, device=dev).bfloat16()
         xp1, xp2 = planar_x(x1), planar_x(x2)
-        o1 = torch.empty(top_k, 2 * I, device="cuda"); o2 = torch.empty(top_k, H, device="cuda")
+        o1 = torch.empty(top_k, 2 * I, device=dev); o2 = torch.empty(top_k, H, device=dev)
         ref1 = reference(ex, ex.w13, ex.w13_scale, x1, ids, 0).float()
         ref2 = reference(ex, ex.w2, ex.w2_scale, x2, ids, 1).float()
         # the same bytes read only (step 44's kernel), in this run
         flat = ids.view(-1)
-        sink = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+        sink = torch.empty(1 << 20, dtype=torch.int32, device=dev)
 
         def reader(wt, st, block=2048):
             ww, ss = words(wt), words(st)
             grid = (triton.cdiv(ww.shape[1], block) + triton.cdiv(ss.shape[1], block), top_k)
             return lambda: rd[grid](ww, ss, flat, sink, ww.shape[1], ss.shape[1], BLOCK=block, num_warps=4)
         r1, r2 = reader(ex.w13, ex.w13_scale), reader(ex.w2, ex.w2_scale)
-        res["rows"].append(dict(shape=name, read_only=True, both_us=statistics.median(replay_us(capture_graph(lambda: (r1(), r2()))) for _ in range(3)),
-                                g1_us=statistics.median(replay_us(capture_graph(r1)) for _ in range(3)),
-                                g2_us=statistics.median(replay_us(capture_graph(r2)) for _ in range(3))))
+        res["rows"].append(dict(shape=name, read_only=True, both_us=statistics.median(replay_us(graph(lambda: (r1(), r2()))) for _ in range(3)),
+                                g1_us=statistics.median(replay_us(graph(r1)) for _ in range(3)),
+                                g2_us=statistics.median(replay_us(graph(r2)) for _ in range(3))))
         print(name, "read only", json.dumps(res["rows"][-1]))
         calls = {
             "shifts": lambda cfg: (lambda: gemv(ex.w13, ex.w13_scale, xp1, ids, o1, **cfg),
@@ -323,31 +348,35 @@ def bench():
             "bf16": lambda cfg: (lambda: gemv_bf16(ex.w13, ex.w13_scale, ex.w13_ref, x1, ids, o1, **cfg),
                                  lambda: gemv_bf16(ex.w2, ex.w2_scale, ex.w2_ref, x2, ids, o2, **cfg)),
         }
+        grid_cfgs = [(32, 4, 4, 1), (64, 4, 8, 2)] if dry else [(bn, kb, nw, ns) for bn in (32, 64, 128) for kb in (4, 8)
+                                                                for nw in (4, 8) for ns in (1, 2)]
         for variant, make in calls.items():
-            for BN in (32, 64, 128):
-                for KB in (4, 8):
-                    for nw in (4, 8):
-                        for ns in (1, 2):
+            for BN, KB, nw, ns in grid_cfgs:
+                if True:
+                    if True:
+                        if True:
                             cfg = dict(BN=BN, KB=KB, num_warps=nw, num_stages=ns)
                             try:
                                 o1.fill_(float("nan")); o2.fill_(float("nan"))
                                 f1, f2 = make(cfg)
-                                both = capture_graph(lambda: (f1(), f2()))
-                                g1 = capture_graph(f1); g2 = capture_graph(f2)
+                                both = graph(lambda: (f1(), f2()))
+                                g1 = graph(f1); g2 = graph(f2)
                                 t = [statistics.median(replay_us(gr) for _ in range(3)) for gr in (both, g1, g2)]
                                 err = max(((o1 - ref1).norm() / ref1.norm()).item(), ((o2 - ref2).norm() / ref2.norm()).item())
                                 row = dict(shape=name, variant=variant, **cfg, both_us=t[0], g1_us=t[1], g2_us=t[2], rel=err)
                             except Exception as exc:
                                 row = dict(shape=name, variant=variant, **cfg, error=repr(exc)[:120])
+                            if "error" in row:
+                                print(name, variant, cfg, row["error"])
                             res["rows"].append(row)
             best = min((r for r in res["rows"] if r["shape"] == name and r.get("variant") == variant and "both_us" in r),
                        key=lambda r: r["both_us"], default=None)
             print(name, variant, "best", json.dumps(best))
         # today's whole T=1 call (both GEMMs, activation, top-k sum), graph, same run
         ws = mxmoe.Workspace(ex, 1, top_k)
-        tw = torch.rand(1, top_k, device="cuda")
+        tw = torch.rand(1, top_k, device=dev)
         out = torch.empty_like(x1)
-        call = capture_graph(lambda: mxmoe.fused_moe(x1, ex, tw, ids, workspace=ws, out=out))
+        call = graph(lambda: mxmoe.fused_moe(x1, ex, tw, ids, workspace=ws, out=out))
         res["rows"].append(dict(shape=name, mxmoe_call=True, both_us=statistics.median(replay_us(call) for _ in range(3))))
         print(name, "mxmoe T=1 call", res["rows"][-1]["both_us"])
     if os.environ.get("OUT"):
@@ -368,4 +397,7 @@ def bench():
 
 
 if __name__ == "__main__":
-    check() if sys.argv[1:] == ["check"] else bench()
+    if sys.argv[1:] == ["check"]:
+        check()
+    else:
+        bench(dry="--dry" in sys.argv[1:])
