@@ -20,23 +20,15 @@ import mxmoe
 from mxmoe import testing
 from mxmoe.format import dequantize_mxfp4
 from mxmoe._details import interpreting
-from mxmoe._details.convert import FOLD_REF_MAX, e2m1_to_bf16, fold_ref, pow2
+from mxmoe._details.convert import E2M1X8_TO_BF16_KORDER_ASM, FOLD_REF_MAX, e2m1_to_bf16, fold_ref, pow2
 
 M_PAIR: tl.constexpr = tl.constexpr(0x81C081C0)
-# convert.E2M1X8_TO_BF16_HALVES_ASM's conversion with each BF16x2 product kept whole ($0..$3: the pairs j = 0..3)
-BF16X2_PAIRS_ASM: tl.constexpr = tl.constexpr("""{
-    .reg .b32 t, u;
-    and.b32 t, $4, 0x81C081C0; mul.rn.bf16x2 $0, t, $5;
-    shl.b32 t, $4, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $1, t, $5;
-    shf.l.wrap.b32 t, $4, $4, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $2, t, $5;
-    shl.b32 t, $4, 6; and.b32 t, t, 0x80C080C0; shr.b32 u, $4, 2; and.b32 u, u, 0x01000100; or.b32 t, t, u;
-    mul.rn.bf16x2 $3, t, $5;
-    }""")
 
 
 @triton.jit
 def _pair_bits(u, j: tl.constexpr):
-    """Value pair j of each prepared word (``prepare.interleave_block_bits``): sign at bit 15 / 31, eem at 8..6 / 24..22."""
+    """Value pair j of each prepared word (``prepare.interleave_block_bits``): sign at bit 15 / 31, eem at 8..6 /
+    24..22."""
     if j == 0:
         rj = u & M_PAIR
     elif j == 1:
@@ -105,7 +97,8 @@ def gemv_kernel(w_ptr, s_ptr, xp_ptr, ids_ptr, out_ptr, N, K, top_k,
     KW = K // 8  # int32 words per row
     W: tl.constexpr = KB * 4  # words per row and step
     rows = pid_n * BN + tl.arange(0, BN)
-    # word offset of (row, word w): expert, 64-row block, unit (U bytes = U/4 words of the block's 64 rows), row, in-unit
+    # word offset of (row, word w): expert, 64-row block, unit (U bytes = U/4 words of the block's 64 rows), row,
+    # offset in the unit
     row_base = e * N * KW + (rows // 64).to(tl.int64) * 64 * KW + (rows % 64) * (U // 4)
     acc = tl.zeros([BN, KB], tl.float32)  # per (row, block slot): one cross-thread sum at the end
     nblk = K // 32
@@ -134,8 +127,8 @@ def _bf16_slots(u, f, d, PURE: tl.constexpr):
         return (_slot_value(u, d, 0, 0), _slot_value(u, d, 0, 1), _slot_value(u, d, 1, 0), _slot_value(u, d, 1, 1),
                 _slot_value(u, d, 2, 0), _slot_value(u, d, 2, 1), _slot_value(u, d, 3, 0), _slot_value(u, d, 3, 1))
     else:  # the asm's four BF16x2 products as 32-bit registers: each half to FP32 by one mask or shift
-        t0, t1, t2, t3 = tl.inline_asm_elementwise(BF16X2_PAIRS_ASM, "=r,=r,=r,=r,r,r", [u, f], dtype=(tl.uint32, ) * 4,
-                                                   is_pure=True, pack=1)
+        t0, t1, t2, t3 = tl.inline_asm_elementwise(E2M1X8_TO_BF16_KORDER_ASM, "=r,=r,=r,=r,r,r", [u, f],
+                                                   dtype=(tl.uint32, ) * 4, is_pure=True, pack=1)
         return ((t0 << 16).to(tl.float32, bitcast=True), (t0 & 0xFFFF0000).to(tl.float32, bitcast=True),
                 (t1 << 16).to(tl.float32, bitcast=True), (t1 & 0xFFFF0000).to(tl.float32, bitcast=True),
                 (t2 << 16).to(tl.float32, bitcast=True), (t2 & 0xFFFF0000).to(tl.float32, bitcast=True),
@@ -205,13 +198,17 @@ def gemv_bf16_kernel(w_ptr, s_ptr, ref_ptr, x_ptr, ids_ptr, out_ptr, N, K, top_k
     tl.store(out_ptr + r.to(tl.int64) * N + rows, tl.sum(acc, axis=1) * pow2(ref - 127))
 
 
-def gemv_bf16(w, s, ref, x, ids, out, BN=32, KB=8, num_warps=4, num_stages=2):
+def _launch_shape(w, ids, BN):
+    """``(grid, N, K, U)`` of a probe launch over weights ``w [E, N, K/2]``: BN rows per program, a route per
+    column."""
     E, N, KH = w.shape
-    K = 2 * KH
-    U = mxmoe.prepare.row_block_unit(K)
     if N % BN or (BN < 64 and 64 % BN):
         raise ValueError(f"BN={BN} must divide N={N}")
-    grid = (N // BN, ids.numel())
+    return (N // BN, ids.numel()), N, 2 * KH, mxmoe.prepare.row_block_unit(2 * KH)
+
+
+def gemv_bf16(w, s, ref, x, ids, out, BN=32, KB=8, num_warps=4, num_stages=2):
+    grid, N, K, U = _launch_shape(w, ids, BN)
     gemv_bf16_kernel[grid](w.view(torch.int32), s, ref, x.view(torch.int32), ids.view(-1), out, N, K, ids.shape[-1],
                            BN=BN, KB=KB, U=U, PURE=interpreting(), num_warps=num_warps, num_stages=num_stages)
 
@@ -224,12 +221,7 @@ def planar_x(x):
 
 
 def gemv(w, s, xp, ids, out, BN=32, KB=8, num_warps=4, num_stages=2):
-    E, N, KH = w.shape
-    K = 2 * KH
-    U = mxmoe.prepare.row_block_unit(K)
-    if N % BN or (BN < 64 and 64 % BN):
-        raise ValueError(f"BN={BN} must divide N={N}")
-    grid = (N // BN, ids.numel())
+    grid, N, K, U = _launch_shape(w, ids, BN)
     gemv_kernel[grid](w.view(torch.int32), s, xp, ids.view(-1), out, N, K, ids.shape[-1], BN=BN, KB=KB, U=U,
                       num_warps=num_warps, num_stages=num_stages)
 
@@ -270,7 +262,8 @@ def check():
         ex = mxmoe.prepare_weights(**testing.random_code_sources(E, H, I, seed=1))
         ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).int()
         x = torch.randn(T, H).bfloat16()
-        for which, (w, s, xin) in enumerate(((ex.w13, ex.w13_scale, x), (ex.w2, ex.w2_scale, torch.randn(T, I).bfloat16()))):
+        x2 = torch.randn(T, I).bfloat16()
+        for which, (w, s, xin) in enumerate(((ex.w13, ex.w13_scale, x), (ex.w2, ex.w2_scale, x2))):
             N = w.shape[1]
             ref = reference(ex, w, s, xin, ids, which)
             row_ref = ex.w13_ref if which == 0 else ex.w2_ref
@@ -318,7 +311,13 @@ def bench(dry: bool = False):
         b.record(); torch.cuda.synchronize()
         return a.elapsed_time(b) / reps * 1e3
 
-    shapes = (("tiny", (4, 128, 64, 2)), ) if dry else (("gpt-oss-120b", (128, 2880, 2880, 4)), ("ref", (288, 4096, 1024, 8)))
+    def graphs_us(f1, f2):
+        """Both kernels in one graph, then each in its own: medians of 3 timings of each graph, µs."""
+        return {key: statistics.median(replay_us(gr) for _ in range(3))
+                for key, gr in (("both_us", graph(lambda: (f1(), f2()))), ("g1_us", graph(f1)), ("g2_us", graph(f2)))}
+
+    shapes = [("tiny", (4, 128, 64, 2))] if dry else [("gpt-oss-120b", (128, 2880, 2880, 4)),
+                                                     ("ref", (288, 4096, 1024, 8))]
     for name, (E, H, I, top_k) in shapes:
         ex = mxmoe.prepare_weights(**testing.random_code_sources(E, H, I, device=dev, scale_lo=118, scale_hi=122))
         g = torch.Generator(device=dev).manual_seed(1)
@@ -338,9 +337,7 @@ def bench(dry: bool = False):
             grid = (triton.cdiv(ww.shape[1], block) + triton.cdiv(ss.shape[1], block), top_k)
             return lambda: rd[grid](ww, ss, flat, sink, ww.shape[1], ss.shape[1], BLOCK=block, num_warps=4)
         r1, r2 = reader(ex.w13, ex.w13_scale), reader(ex.w2, ex.w2_scale)
-        res["rows"].append(dict(shape=name, read_only=True, both_us=statistics.median(replay_us(graph(lambda: (r1(), r2()))) for _ in range(3)),
-                                g1_us=statistics.median(replay_us(graph(r1)) for _ in range(3)),
-                                g2_us=statistics.median(replay_us(graph(r2)) for _ in range(3))))
+        res["rows"].append(dict(shape=name, read_only=True, **graphs_us(r1, r2)))
         print(name, "read only", json.dumps(res["rows"][-1]))
         calls = {
             "shifts": lambda cfg: (lambda: gemv(ex.w13, ex.w13_scale, xp1, ids, o1, **cfg),
@@ -348,53 +345,49 @@ def bench(dry: bool = False):
             "bf16": lambda cfg: (lambda: gemv_bf16(ex.w13, ex.w13_scale, ex.w13_ref, x1, ids, o1, **cfg),
                                  lambda: gemv_bf16(ex.w2, ex.w2_scale, ex.w2_ref, x2, ids, o2, **cfg)),
         }
-        grid_cfgs = [(32, 4, 4, 1), (64, 4, 8, 2)] if dry else [(bn, kb, nw, ns) for bn in (32, 64, 128) for kb in (4, 8)
-                                                                for nw in (4, 8) for ns in (1, 2)]
+        configs = [(32, 4, 4, 1), (64, 4, 8, 2)] if dry else [
+            (bn, kb, nw, ns) for bn in (32, 64, 128) for kb in (4, 8) for nw in (4, 8) for ns in (1, 2)]
         for variant, make in calls.items():
-            for BN, KB, nw, ns in grid_cfgs:
-                if True:
-                    if True:
-                        if True:
-                            cfg = dict(BN=BN, KB=KB, num_warps=nw, num_stages=ns)
-                            try:
-                                o1.fill_(float("nan")); o2.fill_(float("nan"))
-                                f1, f2 = make(cfg)
-                                both = graph(lambda: (f1(), f2()))
-                                g1 = graph(f1); g2 = graph(f2)
-                                t = [statistics.median(replay_us(gr) for _ in range(3)) for gr in (both, g1, g2)]
-                                err = max(((o1 - ref1).norm() / ref1.norm()).item(), ((o2 - ref2).norm() / ref2.norm()).item())
-                                row = dict(shape=name, variant=variant, **cfg, both_us=t[0], g1_us=t[1], g2_us=t[2], rel=err)
-                            except Exception as exc:
-                                row = dict(shape=name, variant=variant, **cfg, error=repr(exc)[:120])
-                            if "error" in row:
-                                print(name, variant, cfg, row["error"])
-                            res["rows"].append(row)
-            best = min((r for r in res["rows"] if r["shape"] == name and r.get("variant") == variant and "both_us" in r),
-                       key=lambda r: r["both_us"], default=None)
-            print(name, variant, "best", json.dumps(best))
+            for BN, KB, nw, ns in configs:
+                cfg = dict(BN=BN, KB=KB, num_warps=nw, num_stages=ns)
+                try:
+                    o1.fill_(float("nan")); o2.fill_(float("nan"))
+                    times = graphs_us(*make(cfg))
+                    err = max(((o1 - ref1).norm() / ref1.norm()).item(), ((o2 - ref2).norm() / ref2.norm()).item())
+                    row = dict(shape=name, variant=variant, **cfg, **times, rel=err)
+                except Exception as exc:
+                    row = dict(shape=name, variant=variant, **cfg, error=repr(exc)[:120])
+                    print(name, variant, cfg, row["error"])
+                res["rows"].append(row)
+            print(name, variant, "best", json.dumps(_best(res["rows"], name, variant)))
         # today's whole T=1 call (both GEMMs, activation, top-k sum), graph, same run
         ws = mxmoe.Workspace(ex, 1, top_k)
         tw = torch.rand(1, top_k, device=dev)
         out = torch.empty_like(x1)
         call = graph(lambda: mxmoe.fused_moe(x1, ex, tw, ids, workspace=ws, out=out))
-        res["rows"].append(dict(shape=name, mxmoe_call=True, both_us=statistics.median(replay_us(call) for _ in range(3))))
+        call_us = statistics.median(replay_us(call) for _ in range(3))
+        res["rows"].append(dict(shape=name, mxmoe_call=True, both_us=call_us))
         print(name, "mxmoe T=1 call", res["rows"][-1]["both_us"])
     if os.environ.get("OUT"):
         json.dump(res, open(os.path.join(os.environ["OUT"], "gemv_probe.json"), "w"), indent=1)
-    print("| shape | read only: both / GEMM1 / GEMM2 us | GEMV shifts: best both (config) | GEMV bf16 | mxmoe T=1 call |")
+    print("| shape | read only: both / GEMM1 / GEMM2 us | GEMV shifts: best both (config) | GEMV bf16 "
+          "| mxmoe T=1 call |")
     for name in dict.fromkeys(r["shape"] for r in res["rows"]):
-        mine = [r for r in res["rows"] if r["shape"] == name]
-        rd_ = next(r for r in mine if r.get("read_only"))
+        read = next(r for r in res["rows"] if r["shape"] == name and r.get("read_only"))
+        call = next(r for r in res["rows"] if r["shape"] == name and r.get("mxmoe_call"))
         cells = []
         for variant in ("shifts", "bf16"):
-            ok = [r for r in mine if r.get("variant") == variant and "both_us" in r]
-            b = min(ok, key=lambda r: r["both_us"]) if ok else None
-            cells.append("-" if b is None else f"{b['both_us']:.1f} ({b['g1_us']:.1f} + {b['g2_us']:.1f}; BN {b['BN']} KB {b['KB']} "
-                         f"w{b['num_warps']} s{b['num_stages']}; rel {b['rel']:.1e})")
-        call = next(r for r in mine if r.get("mxmoe_call"))
-        print(f"| {name} | {rd_['both_us']:.1f} / {rd_['g1_us']:.1f} / {rd_['g2_us']:.1f} | {cells[0]} | {cells[1]} | "
-              f"{call['both_us']:.1f} |")
+            b = _best(res["rows"], name, variant)
+            cells.append("-" if b is None else f"{b['both_us']:.1f} ({b['g1_us']:.1f} + {b['g2_us']:.1f}; BN {b['BN']} "
+                         f"KB {b['KB']} w{b['num_warps']} s{b['num_stages']}; rel {b['rel']:.1e})")
+        print(f"| {name} | {read['both_us']:.1f} / {read['g1_us']:.1f} / {read['g2_us']:.1f} | {cells[0]} "
+              f"| {cells[1]} | {call['both_us']:.1f} |")
 
+
+def _best(rows, shape, variant):
+    """The fastest measured config of ``variant`` on ``shape`` (None where none ran)."""
+    ok = [r for r in rows if r["shape"] == shape and r.get("variant") == variant and "both_us" in r]
+    return min(ok, key=lambda r: r["both_us"], default=None)
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["check"]:
