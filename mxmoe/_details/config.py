@@ -301,16 +301,21 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
         cfg.update(block_rows=128, sub_tiles=2)
 
 
-def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: bool, sm_count: int) -> None:
-    """Decode GEMM1 on a grid that fits the SMs at once: a second warpgroup takes half of the K steps (step 12);
-    between 1 and 1.5 programs per SM, W4A16: two programs per tile split the K steps (step 18)."""
+def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: bool, sm_count: int,
+                  gemm1: bool) -> None:
+    """Decode grids that fit the SMs at once. GEMM1: a second warpgroup takes half of the K steps (step 12); between
+    1 and 1.5 programs per SM, W4A16: two programs per tile split the K steps (step 18). W4A16 GEMM2 up to 1.5
+    programs per SM (gpt-oss at T=1: 180): the second warpgroup too, which doubles its bytes in flight (step 44;
+    512 programs, the reference shape's, were slower with it)."""
     if not (sm_count and rows <= num_experts and k >= 512):
         return
     programs = (n // 64) * rows
-    if programs <= sm_count:
+    if gemm1 and programs <= sm_count:
         cfg.update(k_split=2, maxnreg=128)
-    elif not fp8 and programs <= 3 * sm_count // 2:
+    elif gemm1 and not fp8 and programs <= 3 * sm_count // 2:
         cfg.update(k_parts=2)
+    elif not gemm1 and not fp8 and programs <= 3 * sm_count // 2:
+        cfg.update(k_split=2, maxnreg=128)
 
 
 def _w4a8_tiles(cfg: dict, n: int, k: int, gemm1: bool) -> None:
@@ -359,8 +364,7 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
                k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
     if bt == WIDE_ROWS:
         _wide_knobs(cfg, k, gemm1)
-    if gemm1:
-        _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count)
+    _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
     if fp8:
         _w4a8_tiles(cfg, n, k, gemm1)
     elif not gemm1:

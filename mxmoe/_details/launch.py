@@ -228,7 +228,7 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
     def config(gemm1: bool, fields: dict) -> GemmConfig:  # (the overrides win over the fields)
         if gemm1:
             return gemm_config(routes, E, I, H, fp8, {**fields, **changes.gemm1}, kernels[0], gemm1=True, sm_count=sms)
-        return gemm_config(routes, E, H, I, fp8, {**fields, **changes.gemm2}, kernels[1], gemm1=False)
+        return gemm_config(routes, E, H, I, fp8, {**fields, **changes.gemm2}, kernels[1], gemm1=False, sm_count=sms)
 
     def build(table1: dict, table2: dict) -> tuple[GemmConfig, GemmConfig]:
         cfg1, cfg2 = config(True, table1), config(False, table2)
