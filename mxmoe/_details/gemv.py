@@ -48,17 +48,16 @@ def _pure_value(u, d, j: tl.constexpr, c: tl.constexpr):
 
 
 @triton.jit
-def _word_values(u, b, ref, BN: tl.constexpr, KB: tl.constexpr, PURE: tl.constexpr):
-    """Words ``u`` [BN, 4 KB] (uint32) with their blocks' scale bytes ``b`` [BN, KB] -> the 8 values of each word as
-    FP32 (value 2j + c: K 8j + 2q + c of stored word q), E2M1 times 2**(b - r), r = ``ref`` [BN] (already folded)."""
-    W: tl.constexpr = 4 * KB
-    d = b.to(tl.int32) - ref[:, None]
-    d = tl.broadcast_to(d[:, :, None], (BN, KB, 4)).reshape(BN, W)
+def _word_values(u, b, ref, PURE: tl.constexpr):
+    """Words ``u`` [BN, KB, 4] (uint32; K32 block, stored word q) with their blocks' scale bytes ``b`` [BN, KB] ->
+    the 8 values of each word as FP32 (value 2j + c: K 8j + 2q + c of the block), E2M1 times 2**(b - r), r = ``ref``
+    [BN] (already folded)."""
+    d = (b.to(tl.int32) - ref[:, None])[:, :, None]
     if PURE:
         return (_pure_value(u, d, 0, 0), _pure_value(u, d, 0, 1), _pure_value(u, d, 1, 0), _pure_value(u, d, 1, 1),
                 _pure_value(u, d, 2, 0), _pure_value(u, d, 2, 1), _pure_value(u, d, 3, 0), _pure_value(u, d, 3, 1))
     f = (FOLD_REF_MAX + d) << 7  # the BF16x2 factor 2**(126 + d) in both halves
-    f = (f | (f << 16)).to(tl.uint32, bitcast=True)
+    f = tl.broadcast_to((f | (f << 16)).to(tl.uint32, bitcast=True), u.shape)
     t0, t1, t2, t3 = tl.inline_asm_elementwise(E2M1X8_TO_BF16_KORDER_ASM, "=r,=r,=r,=r,r,r", [u, f],
                                                dtype=(tl.uint32, ) * 4, is_pure=True, pack=1)
     # each BF16 half to FP32 by one shift or mask
@@ -69,32 +68,34 @@ def _word_values(u, b, ref, BN: tl.constexpr, KB: tl.constexpr, PURE: tl.constex
 
 
 @triton.jit
-def _gemv_step(acc, w_rows, s_rows, x_pairs, ref, k0, KW, BN: tl.constexpr, KB: tl.constexpr, U: tl.constexpr,
-               PURE: tl.constexpr, MASKED: tl.constexpr):
-    """Words k0 .. k0 + 4 KB of each row into ``acc`` [BN, 4 KB] (one FP32 sum per row and word slot); ``MASKED``
-    only for a row's last, partial step."""
-    W: tl.constexpr = 4 * KB
-    w = k0 + tl.arange(0, W)
-    # word w of a row: unit w // (U / 4) of its 64-row block (64 rows of U bytes each), word w % (U / 4) in it
-    wofs = (w // (U // 4)) * (16 * U) + w % (U // 4)
-    kb = k0 // 4 + tl.arange(0, KB)
+def _gemv_step(acc, w_rows, s_rows, x_pairs, ref, kb0, nblk, KB: tl.constexpr, U: tl.constexpr, PURE: tl.constexpr,
+               MASKED: tl.constexpr):
+    """K32 blocks kb0 .. kb0 + KB of each row into ``acc`` [BN, KB, 4] (one FP32 sum per row, block and stored word);
+    ``MASKED`` only for a row's last, partial step. Shaped [row, block, word] so that each block's 4 words (16 bytes,
+    contiguous in the row blocks' units) and x's 4 BF16 pairs of a value slot are one vector load each."""
+    kb = kb0 + tl.arange(0, KB)
+    q = tl.arange(0, 4)
+    # block kb of a row: in unit kb // (U / 16) of its 64-row block (64 rows of U bytes: 16 U words), at word
+    # (kb % (U / 16)) * 4 of the row's U bytes there
+    blk = (kb // (U // 16)) * (16 * U) + (kb % (U // 16)) * 4
+    w_ptrs = w_rows[:, None, None] + blk[None, :, None] + q[None, None, :]
     if MASKED:
-        u = tl.load(w_rows[:, None] + wofs[None, :], mask=(w < KW)[None, :], other=0)
-        b = tl.load(s_rows[:, None] + kb[None, :], mask=(kb < KW // 4)[None, :], other=0)
+        ok = kb < nblk
+        u = tl.load(w_ptrs, mask=ok[None, :, None], other=0)
+        b = tl.load(s_rows[:, None] + kb[None, :], mask=ok[None, :], other=0)
     else:
-        u = tl.load(w_rows[:, None] + wofs[None, :])
+        u = tl.load(w_ptrs)
         b = tl.load(s_rows[:, None] + kb[None, :])
-    v = _word_values(u.to(tl.uint32, bitcast=True), b, ref, BN, KB, PURE)
-    # x of value j, c of word 4 kb + q: the BF16 pair (int32) 16 kb + 4 j + q of the row, its half c
-    xi = 16 * kb[:, None] + tl.arange(0, 4)[None, :]
+    v = _word_values(u.to(tl.uint32, bitcast=True), b, ref, PURE)
+    # x of value (j, c) of word q of block kb: the BF16 pair (int32) 16 kb + 4 j + q of the row, its half c
     for j in tl.static_range(4):
-        idx = tl.max_contiguous(tl.multiple_of((xi + 4 * j).reshape(W), 4), 4)
+        x_ptrs = x_pairs + 16 * kb[:, None] + 4 * j + q[None, :]
         if MASKED:
-            x2 = tl.load(x_pairs + idx, mask=w < KW, other=0)
+            x2 = tl.load(x_ptrs, mask=ok[:, None], other=0)
         else:
-            x2 = tl.load(x_pairs + idx)
-        acc += v[2 * j] * (x2 << 16).to(tl.float32, bitcast=True)[None, :]
-        acc += v[2 * j + 1] * (x2 & -65536).to(tl.float32, bitcast=True)[None, :]
+            x2 = tl.load(x_ptrs)
+        acc += v[2 * j] * (x2 << 16).to(tl.float32, bitcast=True)[None, :, :]
+        acc += v[2 * j + 1] * (x2 & -65536).to(tl.float32, bitcast=True)[None, :, :]
     return acc
 
 
@@ -103,18 +104,17 @@ def _gemv_rows(w_e, s_e, ref_e, rows, x_pairs, K, BN: tl.constexpr, KB: tl.const
                PURE: tl.constexpr):
     """FP32 [BN]: weight rows ``rows`` of one expert (``w_e`` int32 words, ``s_e`` scale bytes, ``ref_e`` row
     references; 64-row blocks whole) times the BF16 row at ``x_pairs`` (int32 pairs), every scale applied."""
-    KW = K // 8  # words per row
-    W: tl.constexpr = 4 * KB
-    w_rows = w_e + (rows // 64).to(tl.int64) * (64 * KW) + (rows % 64) * (U // 4)
-    s_rows = s_e + rows.to(tl.int64) * (K // 32)
+    nblk = K // 32
+    w_rows = w_e + (rows // 64).to(tl.int64) * (64 * (K // 8)) + (rows % 64) * (U // 4)
+    s_rows = s_e + rows.to(tl.int64) * nblk
     ref = fold_ref(tl.load(ref_e + rows))
-    acc = tl.zeros([BN, W], tl.float32)
-    full = KW - KW % W
-    for k0 in range(0, full, W):
-        acc = _gemv_step(acc, w_rows, s_rows, x_pairs, ref, k0, KW, BN, KB, U, PURE, False)
-    if full < KW:
-        acc = _gemv_step(acc, w_rows, s_rows, x_pairs, ref, full, KW, BN, KB, U, PURE, True)
-    return tl.sum(acc, axis=1) * pow2(ref - 127)
+    acc = tl.zeros([BN, KB, 4], tl.float32)
+    full = nblk - nblk % KB
+    for kb0 in range(0, full, KB):
+        acc = _gemv_step(acc, w_rows, s_rows, x_pairs, ref, kb0, nblk, KB, U, PURE, False)
+    if full < nblk:
+        acc = _gemv_step(acc, w_rows, s_rows, x_pairs, ref, full, nblk, KB, U, PURE, True)
+    return tl.sum(tl.sum(acc, axis=2), axis=1) * pow2(ref - 127)
 
 
 @triton.jit
