@@ -90,3 +90,18 @@ def test_gemv_choice():
         assert not gemv_decode(1, False, 128, 64, torch.randn(1, 129).bfloat16()[:, 1:])  # odd address
     with overrides(gemv_decode=False):
         assert not gemv_decode(1, False, 128, 64, x)
+
+
+@pytest.mark.slow  # (compiles both kernels for sm_90a in a subprocess: ~10 s)
+def test_gemvs_compile_to_16_byte_loads_without_spills():
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "mxmoe._details.sm90", "gemv"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rep in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert rep["spill_bytes"] == 0, rep
+        # the words (and x's pairs) in 16-byte vectors: more 128-bit loads than any other width
+        assert rep["loads"].get("LDG.E.128", 0) > max(n for op, n in rep["loads"].items() if op != "LDG.E.128"), rep

@@ -68,34 +68,35 @@ def _word_values(u, b, ref, PURE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(acc, w_rows, s_rows, x_pairs, ref, kb0, nblk, KB: tl.constexpr, U: tl.constexpr, PURE: tl.constexpr,
-               MASKED: tl.constexpr):
-    """K32 blocks kb0 .. kb0 + KB of each row into ``acc`` [BN, KB, 4] (one FP32 sum per row, block and stored word);
-    ``MASKED`` only for a row's last, partial step. Shaped [row, block, word] so that each block's 4 words (16 bytes,
-    contiguous in the row blocks' units) and x's 4 BF16 pairs of a value slot are one vector load each."""
+def _load_step(w_rows, s_rows, x_pairs, kb0, nblk, KB: tl.constexpr, U: tl.constexpr):
+    """K32 blocks kb0 .. kb0 + KB of each row (those below ``nblk``; zeros past it): the words [BN, KB, 4] (block,
+    stored word q), the scale bytes [BN, KB] and x's BF16 pairs of the 4 value slots [KB, 4] each. Shaped so that a
+    block's 4 words (16 contiguous bytes in the row blocks' units) and a slot's 4 pairs are one vector load each."""
     kb = kb0 + tl.arange(0, KB)
     q = tl.arange(0, 4)
+    ok = kb < nblk
     # block kb of a row: in unit kb // (U / 16) of its 64-row block (64 rows of U bytes: 16 U words), at word
     # (kb % (U / 16)) * 4 of the row's U bytes there
     blk = (kb // (U // 16)) * (16 * U) + (kb % (U // 16)) * 4
-    w_ptrs = w_rows[:, None, None] + blk[None, :, None] + q[None, None, :]
-    if MASKED:
-        ok = kb < nblk
-        u = tl.load(w_ptrs, mask=ok[None, :, None], other=0)
-        b = tl.load(s_rows[:, None] + kb[None, :], mask=ok[None, :], other=0)
-    else:
-        u = tl.load(w_ptrs)
-        b = tl.load(s_rows[:, None] + kb[None, :])
-    v = _word_values(u.to(tl.uint32, bitcast=True), b, ref, PURE)
+    u = tl.load(w_rows[:, None, None] + blk[None, :, None] + q[None, None, :], mask=ok[None, :, None], other=0)
+    b = tl.load(s_rows[:, None] + kb[None, :], mask=ok[None, :], other=0)
     # x of value (j, c) of word q of block kb: the BF16 pair (int32) 16 kb + 4 j + q of the row, its half c
+    x_ptrs = x_pairs + 16 * kb[:, None] + q[None, :]
+    x0 = tl.load(x_ptrs, mask=ok[:, None], other=0)
+    x1 = tl.load(x_ptrs + 4, mask=ok[:, None], other=0)
+    x2 = tl.load(x_ptrs + 8, mask=ok[:, None], other=0)
+    x3 = tl.load(x_ptrs + 12, mask=ok[:, None], other=0)
+    return u, b, x0, x1, x2, x3
+
+
+@triton.jit
+def _fma_step(acc, u, b, x0, x1, x2, x3, ref, PURE: tl.constexpr):
+    """``acc`` [BN, KB, 4] (one FP32 sum per row, block and stored word) plus one step's products."""
+    v = _word_values(u.to(tl.uint32, bitcast=True), b, ref, PURE)
+    xs = (x0, x1, x2, x3)
     for j in tl.static_range(4):
-        x_ptrs = x_pairs + 16 * kb[:, None] + 4 * j + q[None, :]
-        if MASKED:
-            x2 = tl.load(x_ptrs, mask=ok[:, None], other=0)
-        else:
-            x2 = tl.load(x_ptrs)
-        acc += v[2 * j] * (x2 << 16).to(tl.float32, bitcast=True)[None, :, :]
-        acc += v[2 * j + 1] * (x2 & -65536).to(tl.float32, bitcast=True)[None, :, :]
+        acc += v[2 * j] * (xs[j] << 16).to(tl.float32, bitcast=True)[None, :, :]
+        acc += v[2 * j + 1] * (xs[j] & -65536).to(tl.float32, bitcast=True)[None, :, :]
     return acc
 
 
@@ -103,17 +104,19 @@ def _gemv_step(acc, w_rows, s_rows, x_pairs, ref, kb0, nblk, KB: tl.constexpr, U
 def _gemv_rows(w_e, s_e, ref_e, rows, x_pairs, K, BN: tl.constexpr, KB: tl.constexpr, U: tl.constexpr,
                PURE: tl.constexpr):
     """FP32 [BN]: weight rows ``rows`` of one expert (``w_e`` int32 words, ``s_e`` scale bytes, ``ref_e`` row
-    references; 64-row blocks whole) times the BF16 row at ``x_pairs`` (int32 pairs), every scale applied."""
+    references; 64-row blocks whole) times the BF16 row at ``x_pairs`` (int32 pairs), every scale applied. The next
+    step's loads are issued before this step's FMAs (a program's only latency hiding: its loads go to registers)."""
     nblk = K // 32
     w_rows = w_e + (rows // 64).to(tl.int64) * (64 * (K // 8)) + (rows % 64) * (U // 4)
     s_rows = s_e + rows.to(tl.int64) * nblk
     ref = fold_ref(tl.load(ref_e + rows))
     acc = tl.zeros([BN, KB, 4], tl.float32)
-    full = nblk - nblk % KB
-    for kb0 in range(0, full, KB):
-        acc = _gemv_step(acc, w_rows, s_rows, x_pairs, ref, kb0, nblk, KB, U, PURE, False)
-    if full < nblk:
-        acc = _gemv_step(acc, w_rows, s_rows, x_pairs, ref, full, nblk, KB, U, PURE, True)
+    u, b, x0, x1, x2, x3 = _load_step(w_rows, s_rows, x_pairs, 0, nblk, KB, U)
+    for kb0 in tl.range(KB, nblk, KB, loop_unroll_factor=2):  # (unrolled: the swap below needs no moves)
+        nu, nb, n0, n1, n2, n3 = _load_step(w_rows, s_rows, x_pairs, kb0, nblk, KB, U)
+        acc = _fma_step(acc, u, b, x0, x1, x2, x3, ref, PURE)
+        u, b, x0, x1, x2, x3 = nu, nb, n0, n1, n2, n3
+    acc = _fma_step(acc, u, b, x0, x1, x2, x3, ref, PURE)
     return tl.sum(tl.sum(acc, axis=2), axis=1) * pow2(ref - 127)
 
 

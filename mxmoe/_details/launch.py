@@ -318,8 +318,9 @@ def _gemv_launches(x, experts: PreparedExperts, topk_weights, topk_ids, plan: La
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     cfg1, cfg2 = gemv_configs(H, I)
     inter = workspace.intermediate[: T * top_k * I * 2].view(torch.bfloat16).view(T * top_k, I)
-    ids = topk_ids.reshape(-1)
-    routes = (ids, expert_map if expert_map is not None else ids, E if expert_map is None else expert_map.numel(), E)
+    # (the call's own tensors, not views of them: a launch plan keeps call tensors by identity)
+    routes = (topk_ids, expert_map if expert_map is not None else topk_ids,
+              E if expert_map is None else expert_map.numel(), E)
     flags = dict(HAS_MAP=expert_map is not None, PURE=interpreting(), **pdl_launch(x.device))
 
     def weights(w, scale, ref, gscale, bias):
