@@ -230,15 +230,15 @@ def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch)
     k_parts = config.gemm_config(T * top_k, E, I, H, False, kernel="gluon_small", gemm1=True, sm_count=sms).k_parts
     for ids_rows in (rows, [[-1] * top_k] * T):
         ids = torch.tensor(ids_rows, dtype=ids_dtype, device="cuda")
-        with monkeypatch.context() as m, config.overrides(gemv_decode=False):  # (the GEMVs: test_gemv_decode)
+        with monkeypatch.context() as m:
             m.setattr(launch, "route_pack_launches", lambda *a, **k: pytest.fail("route pack launched"))
             m.setattr(launch, "topk_sum_kernel", None)  # GEMM2 sums the routes (Overrides.direct_sum)
             direct = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
         assert (ws.sum_counters == 0).all()  # the last arrival reset each (token, column block) counter
         assert (ws.part_counters == 0).all()  # and each (route, column block) counter of GEMM1's K halves
-        with config.overrides(direct_sum=False, gemv_decode=False):
+        with config.overrides(direct_sum=False):
             unfused = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
-        with config.overrides(direct_decode=False, gemv_decode=False):
+        with config.overrides(direct_decode=False):
             packed = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
         assert torch.equal(direct.view(torch.int16), unfused.view(torch.int16))
         if k_parts == 1:
@@ -250,54 +250,6 @@ def test_few_tokens_without_route_pack(shape, T, ids_dtype, mapped, monkeypatch)
         else:
             if T > 2:
                 assert (direct[2] == 0).all()
-            with config.overrides(gemv_decode=False):
-                check(ex, x, ids, w, "w4a16", expert_map=emap)
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("T", [1, 2, 4])
-@pytest.mark.parametrize("ids_dtype,mapped", [(torch.int32, False), (torch.int64, False), (torch.int32, True)])
-def test_gemv_decode(shape, T, ids_dtype, mapped):
-    """The decode GEMVs (forced on: ``overrides(gemv_decode=True)``) with the routes of
-    ``test_few_tokens_without_route_pack`` (a repeated expert, -1, out of range, unmapped, a fully masked token, all
-    masked): within 2e-3 of the packed GEMM kernels (the order of the K sum differs), every element written, masked
-    tokens exactly zero, the same bits run to run, and the references' bounds (``check``)."""
-    from mxmoe._details import config
-
-    E, H, I, top_k = SHAPES[shape]
-    ex = gpu_experts(E, H, I, biases=True)
-    x = torch.randn(T, H, device="cuda").bfloat16()
-    n_global = 2 * E if mapped else E
-    emap = None
-    if mapped:
-        emap = torch.full((n_global,), -1, dtype=torch.int32, device="cuda")
-        emap[E:] = torch.arange(E, dtype=torch.int32, device="cuda")
-    base = E if mapped else 0
-    rows = []
-    for t in range(T):
-        if t == 2:
-            rows.append([-1] * top_k)
-            continue
-        head = [base + 3, -1, base + 3, n_global + 5, 2 if mapped else base + 11] if t == 0 else [base + 3, -1]
-        rows.append((head + [base + 20 + 9 * t + j for j in range(top_k)])[:top_k])
-    w = torch.rand(T, top_k, device="cuda") + 0.1
-    ws = mxmoe.Workspace(ex, max_tokens=8, top_k=top_k)
-    for ids_rows in (rows, [[-1] * top_k] * T):
-        ids = torch.tensor(ids_rows, dtype=ids_dtype, device="cuda")
-        with config.overrides(gemv_decode=True):
-            gemv = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
-            again = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
-        with config.overrides(gemv_decode=False, direct_decode=False):
-            packed = fused_moe(x, ex, w, ids, expert_map=emap, workspace=ws, out=torch.full_like(x, float("nan")))
-        assert torch.isfinite(gemv).all()
-        assert torch.equal(gemv.view(torch.int16), again.view(torch.int16))
-        if ids_rows[0][0] == -1:
-            assert (gemv == 0).all()
-            continue
-        if T > 2:
-            assert (gemv[2] == 0).all()
-        assert relative_l2(gemv.float(), packed.float()) < 2e-3
-        with config.overrides(gemv_decode=True):
             check(ex, x, ids, w, "w4a16", expert_map=emap)
 
 

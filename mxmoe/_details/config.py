@@ -118,17 +118,13 @@ class Overrides:
     ``pdl``: programmatic dependent launch on sm90 (off: every kernel waits for the previous one to finish, e.g. for
     tools that serialize launches anyway); ``direct_decode``: up to :data:`DIRECT_MAX_TOKENS` W4A16 tokens without a
     route pack; ``direct_sum``: there, the top-k sum inside GEMM2 (else the top-k-sum kernel); ``tuned``: the tuned
-    tables' fields under ``gemm1`` / ``gemm2`` (``tuned.lookup``; off: the heuristics alone, as the tuner measures);
-    ``gemv_decode``: the decode GEMVs (:func:`gemv_decode`; None: where it picks them, True: wherever they can run,
-    the interpreter included, False: never); ``gemv``: :class:`GemvConfig` fields under ``"gate_up"`` / ``"down"``."""
+    tables' fields under ``gemm1`` / ``gemm2`` (``tuned.lookup``; off: the heuristics alone, as the tuner measures)."""
     gemm1: Mapping = field(default_factory=dict)
     gemm2: Mapping = field(default_factory=dict)
     pdl: bool = True
     direct_decode: bool = True
     direct_sum: bool = True
     tuned: bool = True
-    gemv_decode: Optional[bool] = None
-    gemv: Mapping = field(default_factory=dict)
 
 
 DEFAULT_OVERRIDES = Overrides()  # (the launcher keeps launch plans only under these)
@@ -218,43 +214,6 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
         return gluon if shapes_ok else "triton"
     validated = gluon_validated(triton.__version__)
     return gluon if hopper and validated and shapes_ok else "triton"
-
-
-# ------------------------------------------------------------------------------------------------- decode GEMVs
-
-GEMV_MAX_TOKENS = 1  # W4A16 tokens up to which the decode GEMVs run (perf-notes step 46)
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """A decode GEMV's program (``gemv.py``): ``cols`` output columns (GEMM1: their gate and up rows), ``blocks`` K32
-    blocks of each row per K step (4 words each)."""
-    cols: int
-    blocks: int = 8
-    num_warps: int = 4
-    num_stages: int = 1
-
-
-def gemv_configs(h: int, i: int) -> tuple[GemvConfig, GemvConfig]:
-    """The gate-up and down GEMVs' configs (``overrides(gemv={"gate_up": {...}, "down": {...}})`` on top)."""
-    changes = current_overrides().gemv
-    return (replace(GemvConfig(cols=16), **changes.get("gate_up", {})),
-            replace(GemvConfig(cols=32), **changes.get("down", {})))
-
-
-def gemv_decode(tokens: int, fp8: bool, h: int, i: int, x: torch.Tensor) -> bool:
-    """Whether a call runs the decode GEMVs (``gemv.py``) instead of the GEMM kernels: W4A16, up to
-    ``GEMV_MAX_TOKENS`` tokens on CUDA under ``MXMOE_KERNEL=auto`` (``overrides(gemv_decode=...)`` forces either
-    way), whole 64-row weight blocks (H % 64 == 0, I % 32 == 0), K32 blocks whole, the configs' columns dividing
-    I and H, and x's rows readable as BF16 pairs."""
-    forced = current_overrides().gemv_decode
-    cfg1, cfg2 = gemv_configs(h, i)
-    fits = (not fp8 and h % 64 == 0 and i % 32 == 0 and i % cfg1.cols == 0 and h % cfg2.cols == 0
-            and x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0)
-    if forced is not None:
-        return forced and fits
-    auto = (env_get("MXMOE_KERNEL", "").strip() or "auto") == "auto"
-    return fits and auto and tokens <= GEMV_MAX_TOKENS and x.is_cuda and not interpreting()
 
 
 def gemm2_pair_fits(n: int) -> bool:

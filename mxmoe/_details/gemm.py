@@ -18,17 +18,6 @@ from .convert import (E2M1X8_TO_BF16_HALVES_ASM, E2M1X8_TO_E4M3_TABLE_WORD_ASM, 
 
 
 @triton.jit
-def swiglu(gate, up, limit, alpha, SWIGLUOAI: tl.constexpr):
-    """The activation of FP32 gate and up values: gate clamped above and up both ways at ``limit``; SiLU(gate) * up,
-    or ``SWIGLUOAI``: gate * sigmoid(alpha * gate) * (up + 1)."""
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    if SWIGLUOAI:
-        return gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-    return gate * tl.sigmoid(gate) * up
-
-
-@triton.jit
 def _bf16_weights(words, d, BM: tl.constexpr, BK: tl.constexpr, PURE: tl.constexpr):
     """Prepared words [BM, BK/8] -> [BM, BK] BF16 values times 2**d (d per K32 block, [BM, BK/32], <= 1)."""
     if PURE:  # plain Triton bit construction, per element
@@ -200,7 +189,12 @@ def moe_gemm_kernel(
         up = u * col_scale[None, :]
         if HAS_BIAS:
             up += tl.load(bias_ptr + expert * n_weight_rows + N + offs_n)[:, None]
-        y = swiglu(y, up, limit, alpha, SWIGLUOAI)
+        gate = tl.minimum(y, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        if SWIGLUOAI:
+            y = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+        else:
+            y = gate * tl.sigmoid(gate) * up
         out_rows = slots.to(tl.int64)
     else:
         y = y * tl.load(topk_weights_ptr + routes, mask=row_ok, other=0.0).to(tl.float32)[None, :]

@@ -27,11 +27,10 @@ from ..selection import LayerPlan
 from ..workspace import default_plan, held_workspace, workspace_for
 from . import cdiv, env_get, interpreting, next_pow2, tuned  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
-                     gemm_config, gemv_configs, gemv_decode, gluon_kernel, gluon_validated, kernel_choice,
-                     pack_tile_heights, pdl_launch, small_kernel_constexprs, unfolded_config)
+                     gemm_config, gluon_kernel, gluon_validated, kernel_choice, pack_tile_heights, pdl_launch,
+                     small_kernel_constexprs, unfolded_config)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
-from .gemv import moe_gemv_down_sum_kernel, moe_gemv_gate_up_kernel
 from .launch_plan import KernelLaunch, LaunchPlan, run_launches
 
 
@@ -262,8 +261,6 @@ def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPla
     T, top_k = topk_ids.shape
     fp8, R = plan.fp8, T * top_k
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    if gemv_decode(T, fp8, H, I, x):
-        return _gemv_launches(x, experts, topk_weights, topk_ids, plan, expert_map, out, workspace, gemm2)
     cfg1, cfg2 = _configs(x, experts, top_k, R, fp8)
     direct, launches = None, []
     if direct_routes(T, R, E, fp8, cfg1, cfg2):
@@ -308,39 +305,6 @@ def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPla
                                  dict(BLOCK_H=block_h, PURE=interpreting(), CHECK_SLOTS=pack is not None, num_warps=4,
                                       **pdl_launch(x.device))))
     return launches, inter, pack
-
-
-def _gemv_launches(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map, out, workspace,
-                   gemm2: bool) -> tuple[list, torch.Tensor, None]:
-    """``describe`` for the decode GEMVs (``config.gemv_decode``): GEMM1 + activation into the intermediate's row per
-    route, then GEMM2 with the top-k sum into ``out``; no route pack."""
-    T, top_k = topk_ids.shape
-    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    cfg1, cfg2 = gemv_configs(H, I)
-    inter = workspace.intermediate[: T * top_k * I * 2].view(torch.bfloat16).view(T * top_k, I)
-    # (the call's own tensors, not views of them: a launch plan keeps call tensors by identity)
-    routes = (topk_ids, expert_map if expert_map is not None else topk_ids,
-              E if expert_map is None else expert_map.numel(), E)
-    flags = dict(HAS_MAP=expert_map is not None, PURE=interpreting(), **pdl_launch(x.device))
-
-    def weights(w, scale, ref, gscale, bias):
-        return (w, scale, ref, gscale if gscale is not None else ref, bias if bias is not None else ref), dict(
-            HAS_GSCALE=gscale is not None, HAS_BIAS=bias is not None)
-
-    w1, has1 = weights(experts.w13, experts.w13_scale, experts.w13_ref, experts.w13_global_scale, experts.b13)
-    launches = [KernelLaunch(moe_gemv_gate_up_kernel, (I // cfg1.cols, T * top_k),
-                             (x, x.stride(0), w1, routes, inter, inter.stride(0), (I, H, top_k, plan.limit, plan.alpha)),
-                             dict(SWIGLUOAI=plan.activation == "swigluoai", BC=cfg1.cols, KB=cfg1.blocks,
-                                  U=row_block_unit(H), num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
-                                  **has1, **flags))]
-    if gemm2:
-        w2, has2 = weights(experts.w2, experts.w2_scale, experts.w2_ref, experts.w2_global_scale, experts.b2)
-        launches.append(KernelLaunch(moe_gemv_down_sum_kernel, (H // cfg2.cols, T),
-                                     (inter, inter.stride(0), w2, routes, (out, out.stride(0), topk_weights),
-                                      (H, I, top_k)),
-                                     dict(BN=cfg2.cols, KB=cfg2.blocks, U=row_block_unit(I), num_warps=cfg2.num_warps,
-                                          num_stages=cfg2.num_stages, **has2, **flags)))
-    return launches, inter, None
 
 
 # ------------------------------------------------------------------------------------------------- launch plans

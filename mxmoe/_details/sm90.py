@@ -297,49 +297,7 @@ def default_reports(**shape) -> list:
     return out
 
 
-def compile_gemv(gate_up: bool, cfg, k: int = 2880):
-    """``triton.compile`` a decode GEMV (``gemv.py``; ``cfg`` a ``config.GemvConfig``) for sm_90a as the launch's JIT
-    specializes it (pointers and the strides, N and K divisible by 16), with bias and an expert map."""
-    from .gemv import moe_gemv_down_sum_kernel, moe_gemv_gate_up_kernel
-    w = ("*u8", "*u8", "*i32", "*fp32", "*fp32")
-    routes = ("*i32", "*i32", "i32", "i32")
-    const = dict(HAS_BIAS=True, HAS_GSCALE=False, HAS_MAP=True, KB=cfg.blocks, U=row_block_unit(k), PURE=False,
-                 PDL=True)
-    if gate_up:
-        kernel = moe_gemv_gate_up_kernel
-        sig = dict(x_ptr="*bf16", stride_x="i32", w=w, routes=routes, out_ptr="*bf16", stride_out="i32",
-                   dims=("i32", "i32", "i32", "fp32", "fp32"))
-        const.update(SWIGLUOAI=True, BC=cfg.cols)
-        divisible = [(0, ), (1, ), (4, ), (5, ), (6, 0), (6, 1)]
-    else:
-        kernel = moe_gemv_down_sum_kernel
-        sig = dict(a_ptr="*bf16", stride_a="i32", w=w, routes=routes, out=("*bf16", "i32", "*fp32"),
-                   dims=("i32", "i32", "i32"))
-        const.update(BN=cfg.cols)
-        divisible = [(0, ), (1, ), (4, 0), (4, 1), (4, 2), (5, 0), (5, 1)]
-    divisible += [(2, i) for i in range(5)] + [(3, 0), (3, 1)]
-    sig.update({c: "constexpr" for c in const})
-    return triton.compile(ASTSource(kernel, sig, constexprs=const, attrs={i: [["tt.divisibility", 16]] for i in divisible}),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, enable_fp_fusion=True))
-
-
-def gemv_reports() -> list:
-    """Registers, spills and global-load widths of the decode GEMVs in the configs ``config.gemv_configs`` picks."""
-    from collections import Counter
-
-    from .config import gemv_configs
-    out = []
-    for gate_up, cfg in zip((True, False), gemv_configs(2880, 2880)):
-        sass, log = sass_and_log(compile_gemv(gate_up, cfg))
-        out.append(dict(kernel="gate_up" if gate_up else "down", config=cfg.__dict__,
-                        registers=int(re.search(r"Used (\d+) registers", log).group(1)),
-                        spill_bytes=sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
-                        loads=dict(Counter(re.findall(r"\bLDG\.E[.\w]*", sass)))))
-    return out
-
-
-if __name__ == "__main__":  # python -m mxmoe._details.sm90 [gemv]: JSON reports (needs TRITON_INTERPRET unset)
+if __name__ == "__main__":  # python -m mxmoe._details.sm90: JSON reports (needs TRITON_INTERPRET unset)
     import json
-    import sys
 
-    print(json.dumps(gemv_reports() if sys.argv[1:] == ["gemv"] else default_reports()))
+    print(json.dumps(default_reports()))
