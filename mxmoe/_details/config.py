@@ -305,8 +305,8 @@ def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: b
                   gemm1: bool) -> None:
     """Decode grids that fit the SMs at once. GEMM1: a second warpgroup takes half of the K steps (step 12); between
     1 and 1.5 programs per SM, W4A16: two programs per tile split the K steps (step 18). W4A16 GEMM2 up to 1.5
-    programs per SM (gpt-oss at T=1: 180): the second warpgroup too, which doubles its bytes in flight (step 44;
-    512 programs, the reference shape's, were slower with it)."""
+    programs per SM (gpt-oss at T=1: 180): the second warpgroup too, which doubles its bytes in flight (steps 44 and
+    47: H100 call 47 -> 38 µs; 512 programs, the reference shape's, were slower with it)."""
     if not (sm_count and rows <= num_experts and k >= 512):
         return
     programs = (n // 64) * rows
