@@ -1,9 +1,9 @@
 """Per-kernel device times of one fused_moe call per config variant (developer tool; torch profiler,
 median of 5 calls; the variants interleaved per T).
 
-    python3 scripts/breakdown.py 2048,8192 [w4a16,w4a8] ['[{}, {"num_warps": 8}, {"g1": {"num_warps": 8}}]']
+    python3 scripts/breakdown.py 2048,8192 [w4a16,w4a8] ['[{}, {"num_warps": 8}, {"g1": {"num_warps": 8}}]'] [E,H,I,TOPK]
 
-Reference shape. Each variant is a config override (``_experts.variant``): flat for both GEMMs, or ``{"g1": {...}, "g2": {...}}``
+The reference shape unless E,H,I,TOPK is given (gpt-oss-120b: 128,2880,2880,4). Each variant is a config override (``_experts.variant``): flat for both GEMMs, or ``{"g1": {...}, "g2": {...}}``
 for each GEMM alone (applied on top of what ``config.gemm_config`` picks; ``{}`` = the default
 selection). Also prints the relative L2 difference of each variant's output from the first variant's
 (0 = bit-identical)."""
@@ -15,7 +15,7 @@ import torch
 import mxmoe
 from _experts import kernel_times, random_experts, run, variant
 
-E, H, I, k = 288, 4096, 1024, 8
+E, H, I, k = (int(v) for v in sys.argv[4].split(",")) if len(sys.argv) > 4 else (288, 4096, 1024, 8)
 ex = random_experts(E, H, I)
 Ts = [int(t) for t in sys.argv[1].split(",")]
 precs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["w4a16", "w4a8"]
