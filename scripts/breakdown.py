@@ -1,12 +1,13 @@
 """Per-kernel device times of one fused_moe call per config variant (developer tool; torch profiler,
 median of 5 calls; the variants interleaved per T).
 
-    python3 scripts/breakdown.py 2048,8192 [w4a16,w4a8] ['[{}, {"num_warps": 8}, {"g1": {"num_warps": 8}}]'] [E,H,I,TOPK]
+    python3 scripts/breakdown.py 2048,8192 [w4a16,w4a8] ['[{}, {"num_warps": 8}, {"g1": {"num_warps": 8}}]'] \
+        [E,H,I,TOPK]
 
-The reference shape unless E,H,I,TOPK is given (gpt-oss-120b: 128,2880,2880,4). Each variant is a config override (``_experts.variant``): flat for both GEMMs, or ``{"g1": {...}, "g2": {...}}``
-for each GEMM alone (applied on top of what ``config.gemm_config`` picks; ``{}`` = the default
-selection). Also prints the relative L2 difference of each variant's output from the first variant's
-(0 = bit-identical)."""
+The reference shape unless E,H,I,TOPK is given (gpt-oss-120b: 128,2880,2880,4). Each variant is a config override
+(``_experts.variant``): flat for both GEMMs, or ``{"g1": {...}, "g2": {...}}`` for each GEMM alone (applied on top of
+what ``config.gemm_config`` picks; ``{}`` = the default selection). Also prints the relative L2 difference of each
+variant's output from the first variant's (0 = bit-identical)."""
 import json
 import sys
 

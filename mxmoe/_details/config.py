@@ -312,10 +312,8 @@ def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: b
     programs = (n // 64) * rows
     if gemm1 and programs <= sm_count:
         cfg.update(k_split=2, maxnreg=128)
-    elif gemm1 and not fp8 and programs <= 3 * sm_count // 2:
-        cfg.update(k_parts=2)
-    elif not gemm1 and not fp8 and programs <= 3 * sm_count // 2:
-        cfg.update(k_split=2, maxnreg=128)
+    elif not fp8 and programs <= 3 * sm_count // 2:
+        cfg.update(**(dict(k_parts=2) if gemm1 else dict(k_split=2, maxnreg=128)))
 
 
 def _w4a8_tiles(cfg: dict, n: int, k: int, gemm1: bool) -> None:
