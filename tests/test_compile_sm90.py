@@ -43,6 +43,8 @@ def test_every_kind_of_config_is_compiled(reports):
     wide = {(r["gemm1"], r["config"]["wide"], r["config"]["sub_tiles"]) for r in small
             if r["config"]["block_rows"] == 256 or r["config"]["sub_tiles"] == 2}
     assert wide >= {(True, True, 1), (False, True, 1), (False, False, 2)}
+    # ... both also with 16-bit scale loads (K % 128 == 64, gpt-oss's 2880)
+    assert {r["gemm1"] for r in small if r["config"]["wide"] and not r["config"]["scale_words"]} == {True, False}
     assert {r["config"]["scale_words"] for r in small} == {True, False}
     # W4A16 with scale words on one K32 block per step (per-block factors) and on two or four (paired factors)
     assert {r["config"]["block_k"] for r in small if not r["fp8"] and r["config"]["scale_words"]} >= {32, 64, 128}

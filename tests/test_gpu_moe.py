@@ -386,7 +386,8 @@ def test_gluon_kernel_matches_plain_kernel(shape, T, kind, precision, monkeypatc
 @pytest.mark.parametrize("kind,ids_dtype,T", [("hot", torch.int32, 700), ("masked", torch.int64, 700),
                                               ("uniform", torch.int32, 700), ("four_experts", torch.int64, 3),
                                               ("biases_and_global_scales", torch.int32, 700),
-                                              ("short_k", torch.int32, 700)])
+                                              ("short_k", torch.int32, 700), ("short_k_halves", torch.int64, 700),
+                                              ("gpt_oss_120b", torch.int64, 700), ("gpt_oss_20b", torch.int32, 1500)])
 def test_wide_tiles(kind, ids_dtype, T):
     """W4A16 on the wide 256-row route tiles (set by overrides, so that 700 tokens take them): hot experts
     with several wide tiles, masked routes, partial tiles and tile halves without a row; GEMM2 persistent on the wide
@@ -394,7 +395,9 @@ def test_wide_tiles(kind, ids_dtype, T):
     a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile);
     ``biases_and_global_scales``: both GEMMs' biases and per-expert global scales (the wide GEMM2's epilogue is its
     own); ``short_k``: H = WIDE_MIN_K and I = 256, the fewest K steps (GEMM1 one scale word before its unrolled last
-    steps, GEMM2 none). Against the exact reference and bitwise equal to the 128-row tiles."""
+    steps, GEMM2 none); ``short_k_halves``: H = 320 and I = 192, the fewest with 16-bit scale loads (K % 128 == 64);
+    ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
+    hot experts on 128, uniform routes on 32. Against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
     from mxmoe._details import config
@@ -402,6 +405,10 @@ def test_wide_tiles(kind, ids_dtype, T):
     E, H, I, top_k = SHAPES["ref"]
     if kind == "short_k":
         E, H, I = 16, config.WIDE_MIN_K, 256
+    elif kind == "short_k_halves":
+        E, H, I = 16, 320, 192
+    elif kind.startswith("gpt_oss"):
+        E, H, I, top_k = (128 if kind == "gpt_oss_120b" else 32), 2880, 2880, 4
     ex = gpu_experts(E, H, I, biases=kind == "biases_and_global_scales")
     if kind == "biases_and_global_scales":
         g = torch.Generator(device="cuda").manual_seed(11)
@@ -412,7 +419,8 @@ def test_wide_tiles(kind, ids_dtype, T):
         ids = torch.tensor([[5, 9, 200, 287] + [-1] * (top_k - 4)] * T, device="cuda", dtype=ids_dtype)
         w = torch.rand(T, top_k, device="cuda") + 0.1
     else:
-        ids, w = routing(T, top_k, E, kind=kind, ids_dtype=ids_dtype, seed=7)
+        route_kind = {"gpt_oss_120b": "hot", "gpt_oss_20b": "uniform", "short_k_halves": "masked"}.get(kind, kind)
+        ids, w = routing(T, top_k, E, kind=route_kind, ids_dtype=ids_dtype, seed=7)
     outs = []
     wide, halves, narrow = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2), dict(block_rows=128)
     for gemm1, gemm2 in ((wide, wide), (wide, halves), (narrow, narrow)):

@@ -129,11 +129,12 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
     ("auto", "3.6.0", False, 8, 4096, ("gluon_small", "gluon_small")),          # W4A16 decode: the small-tile kernel
     ("auto", "3.6.0", False, 288 * 64, 4096, ("gluon_small", "gluon_small")),   # 64 rows per expert: small tiles
     ("auto", "3.6.0", False, 288 * 200, 4096, ("gluon_small", "gluon_small")),  # prefill: GEMM2 in two-block form
-    ("auto", "3.6.0", False, 288 * 200, 2880, ("gluon_small", "gluon")),        # ... which N % 128 != 0 rules out
+    ("auto", "3.6.0", False, 288 * 130, 2880, ("gluon_small", "gluon")),        # ... which N % 128 != 0 rules out
+    ("auto", "3.6.0", False, 288 * 200, 2880, ("gluon_small", "gluon_small")),  # past 132 rows per expert: wide tiles
     ("auto", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),           # W4A8: the small-tile kernel always
     ("auto", "3.6.0", True, 288 * 200, 2880, ("gluon_small", "gluon_small")),
     ("auto", "3.7.0", False, 8, 4096, ("triton", "triton")),                    # not validated on this Triton
-    ("gluon", "3.7.0", False, 288 * 200, 2880, ("gluon_small", "gluon")),       # forced
+    ("gluon", "3.7.0", False, 288 * 130, 2880, ("gluon_small", "gluon")),       # forced
     ("gluon", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),
     ("triton", "3.6.0", False, 288 * 200, 2880, ("triton", "triton")),
 ])
@@ -322,7 +323,8 @@ def test_route_tile_height(per_expert, small, plain):
     (128, 288, 4096, False, False),   # T=4608 (H200: +11.7 %)
     (114, 288, 4096, False, False),   # T=4096: one 128-row tile per expert
     (228, 288, 4096, True, False),    # W4A8: its 64-row tiles
-    (512, 128, 2880, False, False),   # H % 128 != 0: GEMM2 has no two-block form (the wide GEMM2 halves need it)
+    (512, 128, 2880, False, True),    # gpt-oss-120b at T=16384: H % 128 == 64, scales in 16-bit loads (step 49)
+    (130, 128, 2880, False, False),
 ])
 def test_wide_tiles(per_expert, E, H, fp8, wide):
     """W4A16 prefill with more than 132 rows per expert: 256-row route tiles, GEMM1 persistent on two warpgroups,
@@ -338,17 +340,17 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
     if wide:
         # GEMM1 persistent too, 5 stages, 255 registers (232 spill the next tile's copy state)
         assert g1.maxnreg == 255 and g1.num_stages == 5
-        # GEMM2 persistent on the wide tiles where its scale words fit (I % 128 == 0), else on their 128-row halves
-        # with its two-block form
+        # GEMM2 persistent on the wide tiles (H % 128 == 64: its last program's second half repeats the first)
         assert g2.wide and g2.block_rows == WIDE_ROWS and g2.sub_tiles == 1 and not g2.pair and g2.maxnreg == 255
         with pytest.raises(ValueError, match="no pair"):
             gemm_config(rows, E, H, 1024, fp8, {"pair": True}, kernel="gluon_small", gemm1=False)
         # its ring needs 3 K steps per tile: I = 128 (e.g. I = 1024 at 8-way tensor parallelism) takes the halves
-        for inter, wide2 in ((1088, False), (128, False), (256, True)):
+        for inter, wide2 in ((1088, True), (2880, True), (128, False), (192, True), (256, True)):
             g2i = gemm_config(rows, E, H, inter, fp8, kernel="gluon_small", gemm1=False)
             assert g2i.wide is wide2 and g2i.block_rows * g2i.sub_tiles == WIDE_ROWS
+            assert g2i.scale_words is (inter % 128 == 0)  # else 16-bit scale loads
             if not wide2:
-                assert g2i.block_rows == 128 and g2i.sub_tiles == 2 and g2i.pair
+                assert g2i.block_rows == 128 and g2i.sub_tiles == 2 and g2i.pair is (H % 128 == 0)
         # tiles it cannot take: 5 stages (with its output staging past the shared memory), 2, 128-K stages
         for bad in ({"num_stages": 5}, {"num_stages": 2}, {"block_k": 128}):
             with pytest.raises(ValueError, match="the wide GEMM2"):
@@ -366,6 +368,8 @@ def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
 
     assert wide_tail_steps(64, 5) == 4 and wide_tail_steps(64, 6) == 6 and wide_tail_steps(64, 4) == 4
     assert wide_tail_steps(64, 3) == 2 and wide_tail_steps(128, 5) == 4
+    # 16-bit scale loads (K % 128 == 64): one per 64-K step, so the tail is num_stages - 1 steps exactly
+    assert wide_tail_steps(64, 5, 2) == 4 and wide_tail_steps(64, 4, 2) == 3 and wide_tail_steps(32, 4, 2) == 4
     rows = 228 * 288
     for H in (128, 256, WIDE_MIN_K):
         g1 = gemm_config(rows, 288, 1024, H, False, kernel="gluon_small", gemm1=True)
@@ -377,6 +381,11 @@ def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
         gemm_config(rows, 288, 1024, 256, False, dict(wide, num_stages=6), kernel="gluon_small", gemm1=True)
     with pytest.raises(ValueError, match="the wide GEMM1"):
         gemm_config(rows, 288, 1024, 128, False, dict(wide, num_stages=5), kernel="gluon_small", gemm1=True)
+    # 16-bit scale loads: 4 steps at 5 stages; a 128-K step would span two loads
+    assert gemm_config(rows, 288, 1024, 320, False, dict(wide, num_stages=5), kernel="gluon_small", gemm1=True).wide
+    with pytest.raises(ValueError, match="the wide GEMM1"):
+        gemm_config(rows, 288, 1024, 1024, False, dict(wide, block_k=128, scale_words=False), kernel="gluon_small",
+                    gemm1=True)
 
 
 def test_small_w4a16_tiles_split_their_k_loop_from_16_steps():

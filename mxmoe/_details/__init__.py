@@ -25,11 +25,12 @@ def interpreting() -> bool:
     return env_get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def wide_tail_steps(block_k: int, num_stages: int) -> int:
+def wide_tail_steps(block_k: int, num_stages: int, scale_bytes: int = 4) -> int:
     """K steps a wide tile unrolls at its end (``sm90_wide._wide_tail_steps``; ``config`` and the kernel both read
-    it): its last num_stages - 1, rounded up to whole scale words (128 K each)."""
-    per_word = 128 // block_k
-    return per_word * -(-(num_stages - 1) // per_word)
+    it): its last num_stages - 1, rounded up to whole scale loads (``scale_bytes`` K32 blocks each: 4, a 32-bit word,
+    where K % 128 == 0; else 2)."""
+    per_load = max(32 * scale_bytes // block_k, 1)  # (a step wider than a load: refused by GemmConfig.validate)
+    return per_load * -(-(num_stages - 1) // per_load)
 
 
 def next_pow2(n: int) -> int:

@@ -46,7 +46,8 @@ class GemmConfig:
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
     loader_regs: int = 48  # "gluon": 8 MMA warps x 176 registers + these fill the register file; "gluon_ws8": the
     converter_regs: int = 112  # producer's and each consumer warpgroup's (128 x 64 + 2 x 128 x 224 = 64 K)
-    scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0)
+    scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0);
+    # the wide tiles without it: 16-bit loads (K % 128 == 64, gpt-oss's 2880)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
     pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
     k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
@@ -59,6 +60,11 @@ class GemmConfig:
     promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
     # FP32 accumulators (0: one chain over all of K)
     promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
+
+    @property
+    def wide_scale_bytes(self) -> int:
+        """The wide kernels' scale bytes per load (``SCALE_BYTES``): a 32-bit word with ``scale_words``, else 16 bits."""
+        return 4 if self.scale_words else 2
 
     def validate(self, n: int, k: int, gemm1: bool, fp8: bool) -> "GemmConfig":
         """This config, if its Gluon kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
@@ -88,16 +94,17 @@ class GemmConfig:
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
         if self.wide and not (not fp8 and self.block_rows == 256 and self.k_split == 1 and self.k_parts == 1):
             raise ValueError("wide is for W4A16 on 256-row tiles")
-        # both wide kernels: scale words, and at least the K steps they unroll at a tile's end
-        wide_short = self.wide and (not self.scale_words or steps < wide_tail_steps(self.block_k, self.num_stages))
-        if self.wide and not gemm1 and (wide_short or self.pair or n % 128 or self.block_k != 64
-                                        or self.num_stages not in (3, 4)):
+        # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
+        # whole K steps
+        wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
+                                    or self.block_k > 32 * self.wide_scale_bytes)
+        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != 64 or self.num_stages not in (3, 4)):
             # (5 stages with its output staging exceed the shared memory)
-            raise ValueError("the wide GEMM2 takes N % 128 == 0, scale_words, no pair, block_k=64, 3 or 4 stages and "
-                             "at least its unrolled last K steps")
+            raise ValueError("the wide GEMM2 takes no pair, block_k=64, 3 or 4 stages and at least its unrolled last "
+                             "K steps")
         if gemm1 and wide_short:
-            raise ValueError("the wide GEMM1 takes scale_words and at least its unrolled last K steps "
-                             "(num_stages - 1, rounded up to whole scale words)")
+            raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
+                             "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
         if n % (self.block_m * (2 if self.pair else 1)):
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
                              f"(block_m, twice that with pair)")
@@ -191,7 +198,8 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
 
     ``auto`` runs Gluon kernels on sm90 where they measured fastest on the H200 (perf-notes steps 10, 11, 14): the
     small-tile ``moe_gemm_small_kernel`` for every GEMM, except W4A16 GEMM2 on 128-row route tiles (prefill) where its
-    two-block form cannot run (``n % 128 != 0``): there the warp-specialized ``moe_gemm_ws_kernel``; W4A8 prefill
+    two-block form cannot run (``n % 128 != 0``) and the wide tiles do not (:func:`wide_tiles`): there the
+    warp-specialized ``moe_gemm_ws_kernel``; W4A8 prefill
     (:func:`w4a8_prefill`; ``k`` the GEMM's K) the warp-specialized ``moe_gemm_ws8_kernel``; the plain
     template for shapes the Gluon kernels do not take (``shapes_ok``). Gluon's API moves between Triton releases, so
     ``auto`` takes it only on the Triton it was validated on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon``
@@ -204,7 +212,8 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and gluon_kernel() is not None
-    prefill_gemm2 = not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and not gemm2_pair_fits(n)
+    prefill_gemm2 = (not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and not gemm2_pair_fits(n)
+                     and not wide_tiles(rows, num_experts, n, fp8))
     gluon = "gluon" if prefill_gemm2 else "gluon_small"
     if fp8 and w4a8_prefill(rows, num_experts, k):
         gluon = "gluon_ws8"
@@ -281,21 +290,26 @@ def pack_tile_heights(routes: int, num_experts: int) -> list:
 WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles (their unrolled last steps, 6 stages)
 
 
+def wide_tiles(rows: int, num_experts: int, hidden: int, fp8: bool) -> bool:
+    """Whether both GEMMs run on the 256-row wide route tiles: W4A16 past ``WIDE_FROM`` rows per expert (step 21), H
+    from ``WIDE_MIN_K`` (any multiple of 64: gpt-oss's 2880 loads its scales in 16-bit halves, step 49)."""
+    return not fp8 and rows > WIDE_FROM * num_experts and hidden >= WIDE_MIN_K
+
+
 def _small_tile_rows(rows: int, num_experts: int, n: int, k: int, fp8: bool, gemm1: bool) -> int:
     """16-row tiles up to 12 rows per expert (above, experts past 16 rows convert their weights twice; step 14);
-    W4A16 past ``WIDE_FROM`` rows per expert: the 256-row wide tiles where H allows (step 21)."""
-    hidden = k if gemm1 else n
-    if not fp8 and rows > WIDE_FROM * num_experts and hidden % 128 == 0 and hidden >= WIDE_MIN_K:
+    the wide tiles where :func:`wide_tiles`."""
+    if wide_tiles(rows, num_experts, k if gemm1 else n, fp8):
         return WIDE_ROWS
     return tile_rows_for(rows, num_experts, first_fill=0.75)
 
 
 def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
-    """The wide tiles: GEMM1 on two warpgroups, 5 stages (step 21); GEMM2 persistent on two warpgroups where its
-    scale words fit and it has its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8)."""
+    """The wide tiles: GEMM1 on two warpgroups, 5 stages (step 21); GEMM2 persistent on two warpgroups where it has
+    its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8)."""
     if gemm1:
         cfg.update(wide=True, maxnreg=255, num_stages=5)
-    elif k % 128 == 0 and k // 64 >= wide_tail_steps(64, 4):
+    elif k // 64 >= wide_tail_steps(64, 4, 4 if cfg["scale_words"] else 2):
         cfg.update(wide=True, maxnreg=255, num_stages=4)
     else:
         cfg.update(block_rows=128, sub_tiles=2)
@@ -490,6 +504,6 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
     GEMM2 copies its first weight stages before it waits for GEMM1."""
     common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1)
     if cfg.wide:
-        return common
+        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes)
     return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
                 SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)

@@ -234,7 +234,8 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), g
     """``(name, gemm1, fp8, cfg, compile_kw)`` for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain
     template at every ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the
     small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2
-    on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL), and at its first
+    on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL, both wide GEMMs at
+    H = I = 2880), and at its first
     rows also with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the
     decode K split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1
     with its K steps over two programs (``k_parts``). ``unfolded``: also W4A8's exact unfolded kernel at every small
@@ -251,11 +252,13 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), g
     cases += [("gluon_small", small_rows[0], False, {}, True)]
     cases += [("gluon_small", small_rows[0], False, dict(k_split=1, maxnreg=0, k_parts=2), True)]  # GEMM1 only
     # GEMM2 on the wide tiles' 128-row halves (the form where I % 128 != 0, here at this I), GEMM2 only
-    cases += [("gluon_small", small_rows[-1], False, dict(block_rows=128, sub_tiles=2), False)]
+    cases += [("gluon_small", small_rows[-1], False, dict(block_rows=128, sub_tiles=2, gemm2_only=True), False)]
     # the wide GEMM2 on 4 K steps per tile (I = 256: the next tile's copies start at its second step), and with 64-bit
     # output offsets without programmatic dependent launch; GEMM2 only
-    cases += [("gluon_small", small_rows[-1], False, dict(intermediate=256), False)]
-    cases += [("gluon_small", small_rows[-1], False, dict(out_i64=True, pdl=False), False)]
+    cases += [("gluon_small", small_rows[-1], False, dict(intermediate=256, gemm2_only=True), False)]
+    cases += [("gluon_small", small_rows[-1], False, dict(out_i64=True, pdl=False, gemm2_only=True), False)]
+    # both wide GEMMs at gpt-oss's K tail (H = I = 2880: 16-bit scale loads; GEMM2's last program repeats a half)
+    cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880), False)]
     if unfolded:
         cases += [("gluon_small", r, True, dict(fold=False), False) for r in small_rows[:-1]]
     # the W4A8 prefill kernel: 64- and 128-row route tiles, the tests' 1024-K chains, gpt-oss's K tail (H = I = 2880)
@@ -268,7 +271,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), g
         inter = override.pop("intermediate", I)
         hidden = override.pop("hidden", H)
         compile_kw = {key: override.pop(key) for key in ("out_i64", "pdl", "fold") if key in override}
-        gemm2_only = kernel != "gluon_ws8" and ("sub_tiles" in override or inter != I or ("out_i64" in compile_kw))
+        gemm2_only = override.pop("gemm2_only", False)
         for gemm1 in ((True, ) if "k_parts" in override else (False, ) if gemm2_only else (True, False)):
             n, k = (inter, hidden) if gemm1 else (hidden, inter)
             # the direct decode case as launched: GEMM1 with the K split of a one-token grid

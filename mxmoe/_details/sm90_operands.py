@@ -69,9 +69,11 @@ def _fold_addend(ref):
 
 
 @gluon.jit
-def _scale_word_rows(s_ptr, w_row0, rows, K):
-    """Each weight row's scale bytes as 32-bit words (``SCALE_WORDS``: K % 128 == 0, so a row starts 4-byte aligned)."""
-    return (s_ptr + (w_row0 + rows.to(gl.int64)) * (K // 32)).to(gl.pointer_type(gl.int32), bitcast=True)
+def _scale_word_rows(s_ptr, w_row0, rows, K, SB: gl.constexpr = 4):
+    """Each weight row's scale bytes as 32-bit words (``SCALE_WORDS``: K % 128 == 0, so a row starts 4-byte aligned);
+    ``SB`` = 2: as 16-bit halves (K % 64 == 0: a row's K/32 bytes are even)."""
+    UNIT: gl.constexpr = gl.int32 if SB == 4 else gl.int16
+    return (s_ptr + (w_row0 + rows.to(gl.int64)) * (K // 32)).to(gl.pointer_type(UNIT), bitcast=True)
 
 
 @gluon.jit

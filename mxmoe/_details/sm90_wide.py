@@ -29,7 +29,8 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, staging,
                      first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr):
+                     NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
+                     HALF: gl.constexpr):
     """One warpgroup of the persistent wide W4A16 GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
     ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
     ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
@@ -55,7 +56,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     col0 = HALF * C
     sm = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, SC)), N, col0)
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
-    G: gl.constexpr = 4 // NB  # K steps per scale word
+    G: gl.constexpr = SB // NB  # K steps per scale load (SB bytes: ``_scale_word_rows``)
     AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
     a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
     a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
@@ -69,8 +70,8 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     w_ptrs = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, col0)[0]
     for j in gl.static_range(S - 1):
         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
-    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K)
-    nxt_w = gl.load(w_rows)
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
+    nxt_w = _scale_load(w_rows)
     fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     mbarrier.wait(loaded.index(0), 0)
@@ -87,16 +88,16 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
         codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
-                                             0, num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes,
-                                             BM, BK, S, U, HALF, WL, DOT)
+                                             0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
+                                             row_bytes, BM, BK, S, U, SB, HALF, WL, DOT)
         # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
         ok_n = routes_n >= 0
         a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
         w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
-        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
+        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
         codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                              num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                             a_ptrs_n, ok_n, BM, BK, S, U, HALF, WL, DOT)
+                                             a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT)
         c += num_k
         # each row times its 2**(r - 127) (as _times_row_ref), then the gate and up rows apart
         acc = acc * _pow2(_fold_ref(ref_ptr + w_row0 + acc_rows) - 127)[:, None]
@@ -133,7 +134,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                HALF_REGS: gl.constexpr):
+                SB: gl.constexpr, HALF_REGS: gl.constexpr):
     """W4A16 GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
@@ -154,11 +155,11 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
                                 loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 0)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, 0)),
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
                                 loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, 1)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, 1)),
         ], [4], [HALF_REGS])
 
 
@@ -213,14 +214,14 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
 @gluon.jit
 def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
-                     HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
-    """Scale-word groups ``jg0 .. jg1 - 1`` of a wide tile's K loop (ring step ``c0`` = the tile's K step 0), all of
-    whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs the last ones).
-    Returns the codes loaded for the next step, the accumulator and the next scale word."""
-    G: gl.constexpr = 4 // (BK // 32)  # K steps per scale word (scale words: K % 128 == 0)
+                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+    """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
+    tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
+    the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
+    G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
     for jg in range(jg0, jg1):
         cur_w = nxt_w
-        nxt_w = gl.load(w_rows + jg + 1)
+        nxt_w = _scale_load(w_rows + jg + 1)
         for g in gl.static_range(G):
             codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
                                     w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
@@ -231,18 +232,19 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 @gluon.jit
 def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
-                     S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
-    """The last ``_wide_tail_groups`` scale-word groups of a wide tile's K loop, unrolled: which of their steps refill
+                     S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
+                     DOT: gl.constexpr):
+    """The last ``_wide_tail_groups`` scale-load groups of a wide tile's K loop, unrolled: which of their steps refill
     the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
     program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
-    G: gl.constexpr = 4 // (BK // 32)
-    TG: gl.constexpr = _wide_tail_groups(BK, S)
+    G: gl.constexpr = SB // (BK // 32)
+    TG: gl.constexpr = _wide_tail_groups(BK, S, SB)
     for tg in gl.static_range(TG):
         cur_w = nxt_w
         if tg + 1 < TG:
-            nxt_w = gl.load(w_rows + num_k // G - TG + tg + 1)
+            nxt_w = _scale_load(w_rows + num_k // G - TG + tg + 1)
         elif w_rows_n is not None:
-            nxt_w = gl.load(w_rows_n)
+            nxt_w = _scale_load(w_rows_n)
         for g in gl.static_range(G):
             c = c0 + num_k - TG * G + tg * G + g
             # the step it refills, from the tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
@@ -264,25 +266,33 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 @gluon.jit
 def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
-                 S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+                 S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
+                 DOT: gl.constexpr):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
-    Returns the codes loaded for the next step, the accumulator and the next scale word."""
-    G: gl.constexpr = 4 // (BK // 32)  # K steps per scale word (scale words: K % 128 == 0)
+    Returns the codes loaded for the next step, the accumulator and the next scale load."""
+    G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
-                                         num_k // G - _wide_tail_groups(BK, S), w_ptrs, a_ptrs, ok, row_bytes, BM, BK,
-                                         S, U, HALF, WL, DOT)
+                                         num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok, row_bytes, BM,
+                                         BK, S, U, SB, HALF, WL, DOT)
     return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
-                            a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, HALF,
-                            WL, DOT)
+                            a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, SB,
+                            HALF, WL, DOT)
 
 
 @gluon.constexpr_function
-def _wide_tail_groups(BK, S):
-    """Scale-word groups (128 K each) of a wide tile's unrolled last steps (``wide_tail_steps``)."""
+def _wide_tail_groups(BK, S, SB):
+    """Scale-load groups (``SB`` K32 blocks each) of a wide tile's unrolled last steps (``wide_tail_steps``)."""
     from . import wide_tail_steps  # (here: the JIT refuses a plain function among a kernel's globals)
 
-    return wide_tail_steps(BK, S) // (128 // BK)
+    return wide_tail_steps(BK, S, SB) // (32 * SB // BK)
+
+
+@gluon.jit
+def _scale_load(ptrs):
+    """A scale load of ``_scale_word_rows`` as int32 (``SB`` = 2: the 16-bit halves sign-extended; the factors read
+    only their two bytes)."""
+    return gl.load(ptrs).to(gl.int32)
 
 
 @gluon.jit
@@ -290,7 +300,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
                      out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging, first, end, N,
                      K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr,
                      BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                     EARLY_WEIGHTS: gl.constexpr, HALF: gl.constexpr):
+                     SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide W4A16 GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
@@ -312,7 +322,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     EL: gl.constexpr = gl.BlockedLayout([BT // 128], [32], [4], [0])  # a tile's slots over the warpgroup
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
     stride = gl.num_programs(0)
-    n_blocks = N // (2 * BM)
+    n_blocks = gl.cdiv(N, 2 * BM)  # (N % 128 == 64: the last tile's second BM rows repeat its first, not stored)
     num_k = K // BK
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     offs_r = gl.arange(0, BM, layout=ROWS)
@@ -326,7 +336,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
              + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
     # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, BT)
-    w_row0 += HALF * BM
+    w_row0 += gl.minimum(HALF * BM, N - BM - n0)
     w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U)
     a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
     for j in gl.static_range(S - 1):
@@ -336,8 +346,8 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     if EARLY_WEIGHTS:
         for j in gl.static_range(S - 1):
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U, 2, True, HALF * R)
-    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K)
-    nxt_w = gl.load(w_rows)
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
+    nxt_w = _scale_load(w_rows)
     fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
@@ -361,17 +371,17 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         has_next = tile + stride < end
         nt = gl.minimum(tile + stride, end - 1)
         expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
-        w_row0_n += HALF * BM
+        w_row0_n += gl.minimum(HALF * BM, N - BM - n0_n)
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
         w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
         a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
-        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K)
+        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
         acc = gl.zeros((BM, BT), gl.float32, MMA)
         codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                         a_ptrs_n, None, BM, BK, S, U, HALF, WL, DOT)
+                                         a_ptrs_n, None, BM, BK, S, U, SB, HALF, WL, DOT)
         c += num_k
         # epilogue: W4A16 row factors (as _times_row_ref), global scale, bias and routing weight (as _epilogue), in
         # two halves of the routed rows, into ``staging``; then the routed rows' 16-B pieces to the output
@@ -413,8 +423,8 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
 def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                 num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr,
-                HALF_REGS: gl.constexpr):
+                NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
+                EARLY_WEIGHTS: gl.constexpr, HALF_REGS: gl.constexpr):
     """W4A16 GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
@@ -422,7 +432,7 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
     every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
     gl.static_assert(BT == 256 and NUM_STAGES >= 3)
     first = gl.program_id(0)
-    end = (N // (2 * BM)) * gl.load(num_tiles_ptr)  # (the route pack is complete: GEMM1 waited for it)
+    end = gl.cdiv(N, 2 * BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: GEMM1 waited for it)
     if first < end:
         act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
         # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
@@ -438,11 +448,11 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act, loaded, consumed,
                                 cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, EARLY_WEIGHTS, 0)),
+                                OUT_I64, U, SB, EARLY_WEIGHTS, 0)),
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act, loaded, consumed,
                                 cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, EARLY_WEIGHTS, 1)),
+                                OUT_I64, U, SB, EARLY_WEIGHTS, 1)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -453,7 +463,7 @@ def moe_gemm_wide_kernel(
     a, w, pack, out, dims,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
-    W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr,
+    W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
 ):
     """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
     one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
@@ -474,8 +484,8 @@ def moe_gemm_wide_kernel(
         _launch_dependents()
         _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
-                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SPLIT_REGS)
+                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SPLIT_REGS)
     else:
         _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                     num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
-                    NUM_STAGES, OUT_I64, W_UNIT, EARLY_WEIGHTS, SPLIT_REGS)
+                    NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, SPLIT_REGS)
