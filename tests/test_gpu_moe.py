@@ -433,6 +433,29 @@ def test_wide_tiles(kind, ids_dtype, T):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@gluon_only
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("T", [1, 3, 300, 1000, 2000, 4000])
+def test_gemm2_pair_at_n_tail(T, precision):
+    """The small-tile GEMM2 in pairs of 64-row blocks at N % 128 == 64 (gpt-oss-120b, H = 2880), forced on: the last
+    program's second block repeats its first and is not stored. Route tiles of 16 to 128 rows (T = 1 and 3: W4A16
+    without a route pack, the top-k sum inside GEMM2 at T = 1), masked int64 routes; against the references and
+    bitwise equal to the same kernel without pairs."""
+    from mxmoe._details import config
+
+    E, H, I, top_k = SHAPES["ktail"]
+    ex = gpu_experts(E, H, I)
+    x = seeded_x(T, H, seed=5 + T)
+    ids, w = masked_routing(T, top_k, E, seed=T, ids_dtype=torch.int64) if T > 1 else \
+        routing(T, top_k, E, seed=3, ids_dtype=torch.int64)
+    outs = []
+    for pair in (True, False):
+        with config.overrides(gemm2={"kernel": "gluon_small", "pair": pair}):
+            ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)
+            outs.append(check(ex, x, ids, w, precision, workspace=ws))
+    assert torch.equal(outs[0], outs[1])
+
+
 SMALL_SHAPES = {
     # name: (E, H, I, top_k, T)
     "i64": (16, 256, 64, 3, 21),  # I = 64: GEMM2 of one K step

@@ -286,7 +286,6 @@ def test_small_tile_stage_depth(rows, fp8, gemm1, k, block_k, stages):
 @pytest.mark.parametrize("override,n,match", [
     ({"block_m": 128}, 4096, "block_m=64"),
     ({"num_warps": 8}, 4096, "num_warps=4"),
-    ({"pair": True}, 2880, "rows per program"),  # a pair of 64-row blocks needs N % 128 == 0
 ])
 def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
     """A config the kernel would run wrong (rows left out of the grid) or not at all is an error up front."""

@@ -105,9 +105,8 @@ class GemmConfig:
         if gemm1 and wide_short:
             raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
                              "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
-        if n % (self.block_m * (2 if self.pair else 1)):
-            raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of its rows per program "
-                             f"(block_m, twice that with pair)")
+        if n % self.block_m:  # (pair at N % 128 == 64: the last program's second block repeats its first, unstored)
+            raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of block_m")
         group = 128 // self.block_k if self.scale_words else 1  # K steps per scale word
         if steps // (self.k_split * group) < 1:
             raise ValueError(f"k_split={self.k_split} needs at least {self.k_split * group} K steps, K={k} has fewer")

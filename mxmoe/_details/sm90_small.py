@@ -67,7 +67,7 @@ def _last_arrival(counter, ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
-def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters_ptr, pid_n, pid_t,
+def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters_ptr, pid_n, pid_t, N,
                         WIDTH: gl.constexpr, TOP_K: gl.constexpr):
     """The top-k sum inside GEMM2 (``DIRECT``: program column t wrote route t's routed row; token t // TOP_K):
     each program arrives on its (token, column block) counter (``_last_arrival``); the last to arrive adds the
@@ -79,9 +79,11 @@ def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters
         L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=L)
         acc = gl.zeros([WIDTH], gl.float32, L)
+        ok = cols < N  # (PAIR at N % 128 == 64: the last block's second half)
         for k in gl.static_range(TOP_K):
-            acc += gl.load(routed_ptr + (token * TOP_K + k) * stride_routed + cols, cache_modifier=".cg").to(gl.float32)
-        gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty))
+            acc += gl.load(routed_ptr + (token * TOP_K + k) * stride_routed + cols, mask=ok, other=0.0,
+                           cache_modifier=".cg").to(gl.float32)
+        gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
         gl.store(counter, 0)
 
 
@@ -503,7 +505,7 @@ def _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, so
               HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
     if PAIR:  # the second block's rows
         _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                  topk_weights_ptr, expert, w_row0 + BM, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
+                  topk_weights_ptr, expert, w_row0 + half_rows, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
                   FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
 
 
@@ -564,6 +566,8 @@ def moe_gemm_small_kernel(
         # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
         expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, WIDTH, BT)
         half_rows = N if GEMM1 else BM
+        if PAIR:  # N % 128 == 64 (gpt-oss's 2880): the last program's second block repeats its first, unstored
+            half_rows = gl.minimum(BM, N - BM - n0)
         num_k = K // BK
         MMA: gl.constexpr = _small_mma_layout(BT, FP8)
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -599,7 +603,8 @@ def moe_gemm_small_kernel(
         if DIRECT and not GEMM1:  # a masked route's row of the routed output is zero (the top-k sum adds it)
             ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=ZL)
-            gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty))
+            gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty),
+                     mask=cols < N)
     if SUM_ROUTES:
-        _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t, WIDTH,
+        _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t, N, WIDTH,
                             TOP_K)
