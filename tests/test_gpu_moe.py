@@ -395,7 +395,8 @@ def test_wide_tiles(kind, ids_dtype, T):
     a GPU of more SMs, as the H200's 132: programs without a tile, each other program one tile);
     ``biases_and_global_scales``: both GEMMs' biases and per-expert global scales (the wide GEMM2's epilogue is its
     own); ``short_k``: H = WIDE_MIN_K and I = 256, the fewest K steps (GEMM1 one scale word before its unrolled last
-    steps, GEMM2 none); ``short_k_halves``: H = 320 and I = 192, the fewest with 16-bit scale loads (K % 128 == 64);
+    steps, GEMM2 none); ``short_k_halves``: H = 448 and I = 192, the fewest with 16-bit scale loads (K % 128 == 64;
+    GEMM2 none before its unrolled last steps);
     ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
     hot experts on 128, uniform routes on 32. Against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
@@ -406,7 +407,7 @@ def test_wide_tiles(kind, ids_dtype, T):
     if kind == "short_k":
         E, H, I = 16, config.WIDE_MIN_K, 256
     elif kind == "short_k_halves":
-        E, H, I = 16, 320, 192
+        E, H, I = 16, 448, 192
     elif kind.startswith("gpt_oss"):
         E, H, I, top_k = (128 if kind == "gpt_oss_120b" else 32), 2880, 2880, 4
     ex = gpu_experts(E, H, I, biases=kind == "biases_and_global_scales")
@@ -451,7 +452,7 @@ def test_gemm2_pair_at_n_tail(T, precision):
     outs = []
     for pair in (True, False):
         with config.overrides(gemm2={"kernel": "gluon_small", "pair": pair}):
-            ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)
+            ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k, fp8=precision == "w4a8")
             outs.append(check(ex, x, ids, w, precision, workspace=ws))
     assert torch.equal(outs[0], outs[1])
 

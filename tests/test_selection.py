@@ -129,12 +129,12 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
     ("auto", "3.6.0", False, 8, 4096, ("gluon_small", "gluon_small")),          # W4A16 decode: the small-tile kernel
     ("auto", "3.6.0", False, 288 * 64, 4096, ("gluon_small", "gluon_small")),   # 64 rows per expert: small tiles
     ("auto", "3.6.0", False, 288 * 200, 4096, ("gluon_small", "gluon_small")),  # prefill: GEMM2 in two-block form
-    ("auto", "3.6.0", False, 288 * 130, 2880, ("gluon_small", "gluon")),        # ... which N % 128 != 0 rules out
+    ("auto", "3.6.0", False, 288 * 130, 2880, ("gluon_small", "gluon_small")),  # N % 128 == 64: pairs at 128 rows
     ("auto", "3.6.0", False, 288 * 200, 2880, ("gluon_small", "gluon_small")),  # past 132 rows per expert: wide tiles
     ("auto", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),           # W4A8: the small-tile kernel always
     ("auto", "3.6.0", True, 288 * 200, 2880, ("gluon_small", "gluon_small")),
     ("auto", "3.7.0", False, 8, 4096, ("triton", "triton")),                    # not validated on this Triton
-    ("gluon", "3.7.0", False, 288 * 130, 2880, ("gluon_small", "gluon")),       # forced
+    ("gluon", "3.7.0", False, 288 * 130, 2880, ("gluon_small", "gluon_small")),  # forced
     ("gluon", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),
     ("triton", "3.6.0", False, 288 * 200, 2880, ("triton", "triton")),
 ])
@@ -170,17 +170,21 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
     (288 * 32, True, False, 4096, True),
     (288 * 12, True, False, 4096, True),
     (8, True, False, 4096, True),
-    (288 * 200, False, False, 2880, False),  # N % 128 != 0
+    (288 * 200, False, False, 2880, False),  # N % 128 == 64: the wide tiles (no pairs)
+    (288 * 100, False, False, 2880, True),   # ... 128-row tiles: pairs, the last one's second block a repeat
+    (288 * 50, False, False, 2880, False),   # ... 64-row tiles: single blocks measured faster
+    (288 * 100, True, False, 2880, False),   # ... W4A8: not measured
     (288 * 200, False, True, 1024, False),   # GEMM1 has its gate and up halves already
 ])
 def test_gemm2_two_block_form(rows, fp8, gemm1, n, pair):
     from mxmoe._details.config import gemm_config
 
-    assert gemm_config(rows, 288, n, 1024, fp8, kernel="gluon_small", gemm1=gemm1).pair is pair
-    if gemm1 or n % 128:
-        with pytest.raises(ValueError, match="pair|rows per program"):
+    cfg = gemm_config(rows, 288, n, 1024, fp8, kernel="gluon_small", gemm1=gemm1)
+    assert cfg.pair is pair
+    if gemm1 or cfg.wide:
+        with pytest.raises(ValueError, match="pair"):
             gemm_config(rows, 288, n, 1024, fp8, {"pair": True}, kernel="gluon_small", gemm1=gemm1)
-    else:  # an override wins
+    else:  # an override wins (N % 128 == 64 too)
         assert gemm_config(rows, 288, n, 1024, fp8, {"pair": not pair}, kernel="gluon_small", gemm1=gemm1).pair is not pair
 
 
@@ -295,6 +299,16 @@ def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
         gemm_config(288 * 64, 288, n, 1024, False, override, kernel="gluon_small", gemm1=False)
 
 
+@pytest.mark.parametrize("override", [{"block_rows": 256}, {"block_rows": 128, "sub_tiles": 2}])
+def test_warp_specialized_kernel_rejects_wide_tiles(override):
+    """The warp-specialized W4A16 kernel runs route tiles of up to 128 rows, one per program: the wide tiles or their
+    halves forced on it (an override where ``kernel_choice`` picked it) are an error, not a wrong result."""
+    from mxmoe._details.config import gemm_config
+
+    with pytest.raises(ValueError, match="up to 128 rows"):
+        gemm_config(288 * 200, 288, 2880, 1024, False, override, kernel="gluon", gemm1=False)
+
+
 @pytest.mark.parametrize("per_expert,small,plain", [(1, 16, 16), (12, 16, 16), (12.5, 32, 16), (16, 32, 16),
                                                     (17, 32, 32), (32, 32, 32), (33, 64, 64), (150, 128, 128),
                                                     (200, 128, 128)])
@@ -349,7 +363,7 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
             assert g2i.wide is wide2 and g2i.block_rows * g2i.sub_tiles == WIDE_ROWS
             assert g2i.scale_words is (inter % 128 == 0)  # else 16-bit scale loads
             if not wide2:
-                assert g2i.block_rows == 128 and g2i.sub_tiles == 2 and g2i.pair is (H % 128 == 0)
+                assert g2i.block_rows == 128 and g2i.sub_tiles == 2 and g2i.pair
         # tiles it cannot take: 5 stages (with its output staging past the shared memory), 2, 128-K stages
         for bad in ({"num_stages": 5}, {"num_stages": 2}, {"block_k": 128}):
             with pytest.raises(ValueError, match="the wide GEMM2"):

@@ -75,6 +75,8 @@ class GemmConfig:
             if self.promote and self.block_rows != 64:
                 raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at 64-row tiles only")
             return self
+        if self.kernel == "gluon" and (self.block_rows > 128 or self.sub_tiles != 1 or self.wide):
+            raise ValueError("the warp-specialized W4A16 kernel takes route tiles of up to 128 rows, whole")
         if self.kernel != "gluon_small":
             return self
         steps = k // self.block_k
@@ -195,15 +197,13 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of GEMM1 (``gemm1``) or
     GEMM2 (``n`` output columns) on CUDA.
 
-    ``auto`` runs Gluon kernels on sm90 where they measured fastest on the H200 (perf-notes steps 10, 11, 14): the
-    small-tile ``moe_gemm_small_kernel`` for every GEMM, except W4A16 GEMM2 on 128-row route tiles (prefill) where its
-    two-block form cannot run (``n % 128 != 0``) and the wide tiles do not (:func:`wide_tiles`): there the
-    warp-specialized ``moe_gemm_ws_kernel``; W4A8 prefill
-    (:func:`w4a8_prefill`; ``k`` the GEMM's K) the warp-specialized ``moe_gemm_ws8_kernel``; the plain
+    ``auto`` runs Gluon kernels on sm90 where they measured fastest (perf-notes steps 10, 11, 14, 49): the small-tile
+    ``moe_gemm_small_kernel`` (and its wide form) for every GEMM except W4A8 prefill (:func:`w4a8_prefill`; ``k`` the
+    GEMM's K), which runs the warp-specialized ``moe_gemm_ws8_kernel``; the plain
     template for shapes the Gluon kernels do not take (``shapes_ok``). Gluon's API moves between Triton releases, so
     ``auto`` takes it only on the Triton it was validated on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon``
-    forces it on any. The interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon"``
-    (warp-specialized W4A16), ``"gluon_ws8"`` or ``"gluon_small"``.
+    forces it on any. The interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon_ws8"`` or
+    ``"gluon_small"`` (a config override may name ``"gluon"``, the warp-specialized W4A16 kernel).
     """
     choice = env_get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
@@ -211,9 +211,7 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     if choice == "triton" or interpreting() or device.type != "cuda":
         return "triton"
     hopper = torch.cuda.get_device_capability(device)[0] == 9 and gluon_kernel() is not None
-    prefill_gemm2 = (not (fp8 or gemm1) and tile_rows_for(rows, num_experts) == TILE_ROWS[-1] and not gemm2_pair_fits(n)
-                     and not wide_tiles(rows, num_experts, n, fp8))
-    gluon = "gluon" if prefill_gemm2 else "gluon_small"
+    gluon = "gluon_small"
     if fp8 and w4a8_prefill(rows, num_experts, k):
         gluon = "gluon_ws8"
     if choice == "gluon":
@@ -350,13 +348,15 @@ def _w4a8_tiles(cfg: dict, n: int, k: int, gemm1: bool) -> None:
 
 def _w4a16_gemm2(cfg: dict, rows: int, n: int, k: int) -> None:
     """W4A16 GEMM2: 128 K per stage on 16-row tiles (step 12); one token with at most 8 K steps: 6 stages, so that 5
-    load before its wait while GEMM1 runs (step 19); two 64-row blocks per program from 32-row tiles (step 14)."""
+    load before its wait while GEMM1 runs (step 19); two 64-row blocks per program from 32-row tiles (step 14), at
+    N % 128 == 64 (gpt-oss; the last pair's second block repeats its first) on 128-row tiles only (step 49: 44 % faster
+    than the warp-specialized kernel there, 25 % slower than single blocks at 32 and 64 rows)."""
     bt = cfg["block_rows"]
     if bt == 16 and k % 128 == 0:
         cfg.update(block_k=128)
     if bt == 16 and rows <= 8 and k // cfg["block_k"] <= 8:
         cfg.update(num_stages=6)
-    if gemm2_pair_fits(n) and bt >= 32 and not cfg["wide"]:
+    if bt >= 32 and not cfg["wide"] and (gemm2_pair_fits(n) or bt == 128):
         cfg.update(pair=True)
 
 
@@ -418,7 +418,7 @@ def _ws_config(rows, num_experts, n, k, fp8, override: dict, gemm1) -> GemmConfi
     bm, bk = cfg["block_m"], cfg["block_k"]
     stage = halves * bm * (bk * 2 + bk // 2) + cfg["block_rows"] * bk * 2
     cfg.setdefault("num_stages", max(2, min(6, (227 * 1024 - 2048) // stage)))
-    return GemmConfig(kernel="gluon", **cfg)
+    return GemmConfig(kernel="gluon", **cfg).validate(n, k, gemm1, fp8)
 
 
 def _template_config(rows, num_experts, n, k, fp8, override: dict) -> GemmConfig:
