@@ -299,16 +299,6 @@ def test_small_tile_kernel_rejects_configs_it_cannot_run(override, n, match):
         gemm_config(288 * 64, 288, n, 1024, False, override, kernel="gluon_small", gemm1=False)
 
 
-@pytest.mark.parametrize("override", [{"block_rows": 256}, {"block_rows": 128, "sub_tiles": 2}])
-def test_warp_specialized_kernel_rejects_wide_tiles(override):
-    """The warp-specialized W4A16 kernel runs route tiles of up to 128 rows, one per program: the wide tiles or their
-    halves forced on it (an override where ``kernel_choice`` picked it) are an error, not a wrong result."""
-    from mxmoe._details.config import gemm_config
-
-    with pytest.raises(ValueError, match="up to 128 rows"):
-        gemm_config(288 * 200, 288, 2880, 1024, False, override, kernel="gluon", gemm1=False)
-
-
 @pytest.mark.parametrize("per_expert,small,plain", [(1, 16, 16), (12, 16, 16), (12.5, 32, 16), (16, 32, 16),
                                                     (17, 32, 32), (32, 32, 32), (33, 64, 64), (150, 128, 128),
                                                     (200, 128, 128)])

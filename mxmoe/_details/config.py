@@ -1,7 +1,7 @@
 """Which kernel runs each GEMM, with which tile config, and the one way to override that.
 
-* :func:`kernel_choice`: the kernel family of a GEMM (``MXMOE_KERNEL``; plain Triton, the warp-specialized Gluon
-  kernel, the small-tile Gluon kernels).
+* :func:`kernel_choice`: the kernel family of a GEMM (``MXMOE_KERNEL``; plain Triton, the small-tile Gluon kernels,
+  the warp-specialized W4A8 prefill kernel).
 * :func:`gemm_config`: a :class:`GemmConfig` (frozen; :meth:`GemmConfig.validate` checks it against the GEMM) from
   small functions, one per knob; each names its reason and the ``docs/perf-notes.md`` step that measured it.
 * :class:`Overrides` / :func:`overrides`: what tests, scripts and tuning change (per-GEMM config fields, PDL, the
@@ -41,11 +41,11 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon" (moe_gemm_ws_kernel), "gluon_small",
+    kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon_small",
     # "gluon_ws8" (sm90_ws8.moe_gemm_ws8_kernel: W4A8 prefill, producer + two consumer warpgroups)
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
-    loader_regs: int = 48  # "gluon": 8 MMA warps x 176 registers + these fill the register file; "gluon_ws8": the
-    converter_regs: int = 112  # producer's and each consumer warpgroup's (128 x 64 + 2 x 128 x 224 = 64 K)
+    loader_regs: int = 64  # "gluon_ws8": the producer's and each consumer warpgroup's registers per thread
+    converter_regs: int = 224  # (128 x 64 + 2 x 128 x 224 = 64 K)
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0);
     # the wide tiles without it: 16-bit loads (K % 128 == 64, gpt-oss's 2880)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
@@ -75,8 +75,6 @@ class GemmConfig:
             if self.promote and self.block_rows != 64:
                 raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at 64-row tiles only")
             return self
-        if self.kernel == "gluon" and (self.block_rows > 128 or self.sub_tiles != 1 or self.wide):
-            raise ValueError("the warp-specialized W4A16 kernel takes route tiles of up to 128 rows, whole")
         if self.kernel != "gluon_small":
             return self
         steps = k // self.block_k
@@ -203,7 +201,7 @@ def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8
     template for shapes the Gluon kernels do not take (``shapes_ok``). Gluon's API moves between Triton releases, so
     ``auto`` takes it only on the Triton it was validated on (``GLUON_VALIDATED_TRITON``); ``MXMOE_KERNEL=gluon``
     forces it on any. The interpreter and CPU always run the plain template. Returns ``"triton"``, ``"gluon_ws8"`` or
-    ``"gluon_small"`` (a config override may name ``"gluon"``, the warp-specialized W4A16 kernel).
+    ``"gluon_small"``.
     """
     choice = env_get("MXMOE_KERNEL", "").strip() or "auto"  # unset or empty: auto
     if choice not in ("auto", "triton", "gluon"):
@@ -239,15 +237,11 @@ def gluon_validated(version: str) -> bool:
 
 
 @functools.cache
-def gluon_kernel(name: str = "gluon", wide: bool = False):
-    """The Gluon entry kernel of a family: ``"gluon"`` the warp-specialized ``sm90_ws.moe_gemm_ws_kernel``,
-    ``"gluon_ws8"`` ``sm90_ws8.moe_gemm_ws8_kernel``,
-    ``"gluon_small"`` ``sm90_small.moe_gemm_small_kernel`` or, ``wide``, ``sm90_wide.moe_gemm_wide_kernel``; None
-    without Gluon."""
+def gluon_kernel(name: str = "gluon_small", wide: bool = False):
+    """The Gluon entry kernel of a family: ``"gluon_ws8"`` ``sm90_ws8.moe_gemm_ws8_kernel``, ``"gluon_small"``
+    ``sm90_small.moe_gemm_small_kernel`` or, ``wide``, ``sm90_wide.moe_gemm_wide_kernel``; None without Gluon."""
     try:
-        if name == "gluon":
-            from .sm90_ws import moe_gemm_ws_kernel as kernel
-        elif name == "gluon_ws8":
+        if name == "gluon_ws8":
             from .sm90_ws8 import moe_gemm_ws8_kernel as kernel
         elif wide:
             from .sm90_wide import moe_gemm_wide_kernel as kernel
@@ -401,26 +395,6 @@ def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
     return GemmConfig(kernel="gluon_ws8", **cfg).validate(n, k, True, True)
 
 
-def _ws_config(rows, num_experts, n, k, fp8, override: dict, gemm1) -> GemmConfig:
-    """The warp-specialized kernel: from 64-row tiles two MMA warpgroups on 128 weight rows (half the activation
-    traffic; step 8); as many stages as fit in the 227 KiB of shared memory, up to 6."""
-    if fp8:
-        raise ValueError("the warp-specialized Gluon kernel is W4A16 (W4A8 runs the small-tile kernel)")
-    if k % 64 or n % 64:
-        raise ValueError("the Gluon kernel needs N and K multiples of 64")
-    bt = tile_rows_for(rows, num_experts)
-    if bt >= 64:
-        cfg = dict(block_rows=bt, block_m=128 if n % 128 == 0 else 64, block_k=64, num_warps=8)
-    else:
-        cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4)
-    cfg.update(override)
-    halves = 2 if gemm1 else 1
-    bm, bk = cfg["block_m"], cfg["block_k"]
-    stage = halves * bm * (bk * 2 + bk // 2) + cfg["block_rows"] * bk * 2
-    cfg.setdefault("num_stages", max(2, min(6, (227 * 1024 - 2048) // stage)))
-    return GemmConfig(kernel="gluon", **cfg).validate(n, k, gemm1, fp8)
-
-
 def _template_config(rows, num_experts, n, k, fp8, override: dict) -> GemmConfig:
     """The plain template: 4 warps and 64 weight rows keep 2-4 CTAs per SM, whose conversion and MMA phases overlap
     (Triton waits for each wgmma); W4A8 one FP8 MMA per K32 block (its scale multiplies the partial sum)."""
@@ -446,10 +420,10 @@ def gemm_config(rows: int, num_experts: int, n: int, k: int, fp8: bool, override
     kernel = override.pop("kernel", kernel)
     if kernel == "gluon_small":
         return _small_config(rows, num_experts, n, k, fp8, override, gemm1, sm_count)
-    if kernel == "gluon":
-        return _ws_config(rows, num_experts, n, k, fp8, override, gemm1)
     if kernel == "gluon_ws8":
         return _ws8_config(rows, num_experts, n, k, override)
+    if kernel != "triton":
+        raise ValueError(f"unknown kernel {kernel!r}: triton, gluon_small or gluon_ws8")
     return _template_config(rows, num_experts, n, k, fp8, override)
 
 

@@ -87,7 +87,7 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
     if cfg.kernel == "gluon_ws8":  # GEMM1: the gate and up rows of 128 columns per program
         width = cfg.block_m // 2 if gemm1 else cfg.block_m
     grid = (cdiv(n, width), tiles, cfg.k_parts)
-    if cfg.kernel in ("gluon", "gluon_ws8") or cfg.wide:  # persistent: at most one program per SM, walking the tiles
+    if cfg.kernel == "gluon_ws8" or cfg.wide:  # persistent: at most one program per SM, walking the tiles
         grid = (min(grid[0] * grid[1], _sm_count(out.device)),)
     meta = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
                 BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages, W_UNIT=row_block_unit(k),
@@ -108,9 +108,7 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         meta.update(OUT_I64=out.shape[0] * out.stride(0) >= 2**31)
         if cfg.maxnreg:
             meta.update(maxnreg=cfg.maxnreg)
-        if cfg.kernel == "gluon":
-            meta.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
-        elif cfg.kernel == "gluon_ws8":
+        if cfg.kernel == "gluon_ws8":
             del meta["BM"], meta["FP8"]
             meta.update(K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, PRODUCER_REGS=cfg.loader_regs,
                         CONSUMER_REGS=cfg.converter_regs, **pdl_launch(out.device, kernel_arg=False))

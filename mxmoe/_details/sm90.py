@@ -84,8 +84,6 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         from .config import gluon_kernel, small_kernel_constexprs
         kernel, source = gluon_kernel(cfg.kernel, cfg.wide), GluonASTSource
         const.update(OUT_I64=out_i64)
-        if cfg.kernel == "gluon":
-            const.update(LOADER_REGS=cfg.loader_regs, CONVERTER_REGS=cfg.converter_regs)
         if cfg.wide:  # as launched on sm90 (programmatic dependent launch); W4A16 only
             del const["FP8"]
             const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
@@ -229,11 +227,10 @@ def operand_races(sass: str) -> list:
     return sorted(found, key=lambda entry: int(entry[2:entry.index("*/")], 16))
 
 
-def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), gluon_rows=(65536,),
+def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
                   small_rows=(8, 16384, 32768, 65536), unfolded: bool = False) -> list:
     """``(name, gemm1, fp8, cfg, compile_kw)`` for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain
-    template at every ``rows`` (both precisions), the warp-specialized Gluon kernel at ``gluon_rows`` (W4A16), the
-    small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2
+    template at every ``rows`` (both precisions), the small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2
     on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL, both wide GEMMs at
     H = I = 2880), and at its first
     rows also with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the
@@ -242,7 +239,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536), g
     rows. ``name`` says the case, not the config, so that a restructure can be compared case by case."""
     from .config import gemm_config, unfolded_config
 
-    cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)), ("gluon", gluon_rows, (False,)),
+    cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)),
                                                           ("gluon_small", small_rows, (False, True)))
              for r in rs for fp8 in fp8s]
     cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False), False) for fp8 in (False, True)]
