@@ -41,6 +41,8 @@ def main(argv):
                   f"{a and a['instructions']} instructions, {b and b['registers']} -> {a and a['registers']} registers")
         print(f"{len(set(before) | set(after))} cases, {different} different")
         sys.exit(1 if different else 0)
+    if argv and argv[0] not in ("--dump", "--compare"):
+        sys.path.insert(0, os.path.abspath(argv[0]))  # (before the first import of mxmoe)
     from mxmoe._details.sm90 import sass_and_log
     if argv[:1] == ["--dump"]:
         for name, kernel in _compiled():

@@ -45,6 +45,10 @@ def test_every_kind_of_config_is_compiled(reports):
     assert wide >= {(True, True, 1), (False, True, 1), (False, False, 2)}
     # ... both also with 16-bit scale loads (K % 128 == 64, gpt-oss's 2880)
     assert {r["gemm1"] for r in small if r["config"]["wide"] and not r["config"]["scale_words"]} == {True, False}
+    # GEMM2's two 64-row blocks per program where N % 128 == 64 (the last program's second block a repeat): in pairs
+    # and on the wide tiles
+    assert {r["config"]["wide"] for r in small if not r["gemm1"] and r["n"] % 128 == 64
+            and (r["config"]["pair"] or r["config"]["wide"])} == {True, False}
     assert {r["config"]["scale_words"] for r in small} == {True, False}
     # W4A16 with scale words on one K32 block per step (per-block factors) and on two or four (paired factors)
     assert {r["config"]["block_k"] for r in small if not r["fp8"] and r["config"]["scale_words"]} >= {32, 64, 128}

@@ -470,12 +470,15 @@ SMALL_ARG_BUNDLES = {  # the small-tile kernel's besides
 }
 
 
-def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool) -> dict:
-    """The small-tile or wide kernel's constexprs for ``cfg`` besides the common ones (its launch's, and
-    ``sm90.compile_gemm``'s). ``SPLIT_REGS``: the second warpgroup's registers per thread (K split, wide tiles), the
-    launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default). ``EARLY_WEIGHTS``: with PDL,
-    GEMM2 copies its first weight stages before it waits for GEMM1."""
-    common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1)
+def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool, n: int) -> dict:
+    """The small-tile or wide kernel's constexprs for ``cfg`` (on an ``n``-row GEMM) besides the common ones (its
+    launch's, and ``sm90.compile_gemm``'s). ``SPLIT_REGS``: the second warpgroup's registers per thread (K split, wide
+    tiles), the launch's ``maxnreg`` as the first's (128 where none is set, the kernel's default). ``EARLY_WEIGHTS``:
+    with PDL, GEMM2 copies its first weight stages before it waits for GEMM1. ``REPEAT_LAST``: GEMM2 on two 64-row
+    blocks per program (``pair``, the wide tiles) at N % 128 == 64, whose last program's second block repeats its
+    first (a constexpr: N % 128 == 0 compiles as before)."""
+    common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
+                  REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and n % 128 != 0)
     if cfg.wide:
         return dict(common, SCALE_BYTES=cfg.wide_scale_bytes)
     return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,

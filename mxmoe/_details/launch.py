@@ -115,7 +115,7 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
             args.append(fold)
         else:
             pdl = pdl_launch(out.device, kernel_arg=False)
-            meta.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl)))
+            meta.update(**pdl, **small_kernel_constexprs(cfg, gemm1, bool(pdl), n))
             if not cfg.wide:
                 small_args, small_meta = _small_tile_args(out, w_ref, top_k, gemm1, fp8, cfg, direct, fold, fold_path)
                 args += small_args

@@ -51,12 +51,13 @@ def _ptxas() -> str:
 
 
 def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, swigluoai: bool = False,
-                 direct: bool = False, out_i64: bool = False, pdl: bool = True, fold: bool = True, k: int = 4096):
+                 direct: bool = False, out_i64: bool = False, pdl: bool = True, fold: bool = True, k: int = 4096,
+                 n: int = 4096):
     """``triton.compile`` the GEMM template (``cfg.kernel``: plain Triton or Gluon) for sm_90a; ``direct``: the
     small-tile kernel without a route pack (``launch.direct_routes``), with an expert map; ``out_i64``: the Gluon
     kernels' 64-bit output offsets (outputs of 2**31 elements or more); ``pdl``: the small-tile kernel as launched
-    with programmatic dependent launch (the launch's default on sm90); ``k``: the GEMM's K, where the kernel
-    specializes on it (the W4A8 prefill kernel's K tail)."""
+    with programmatic dependent launch (the launch's default on sm90); ``k`` / ``n``: the GEMM's K and N, where the
+    kernel specializes on them (the W4A8 prefill kernel's K tail; GEMM2's last pair at N % 128 == 64)."""
     a_ty = "*fp8e4nv" if fp8 else "*bf16"
     out_ty = ("*fp32" if fp8 else "*bf16") if gemm1 else "*bf16"
     sig = dict(a_ptr=a_ty, a_scale_ptr="*fp32", stride_a="i32", w_ptr="*u8", s_ptr="*u8", ref_ptr="*i32",
@@ -86,9 +87,9 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         const.update(OUT_I64=out_i64)
         if cfg.wide:  # as launched on sm90 (programmatic dependent launch); W4A16 only
             del const["FP8"]
-            const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
+            const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl, n=n))
         elif cfg.kernel == "gluon_small":
-            const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl))
+            const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl, n=n))
             sig.update(ids_ptr="*i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
                        sum_out_ptr="*bf16", stride_sum_out="i32", counters_ptr="*i32", parts_ptr="*fp32",
                        fold_ptr="*i32")
@@ -232,7 +233,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     """``(name, gemm1, fp8, cfg, compile_kw)`` for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain
     template at every ``rows`` (both precisions), the small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16 on the wide tiles at the last, there also GEMM2
     on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit output offsets without PDL, both wide GEMMs at
-    H = I = 2880), and at its first
+    H = I = 2880, GEMM2 there also in pairs on 128-row tiles), and at its first
     rows also with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the
     decode K split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1
     with its K steps over two programs (``k_parts``). ``unfolded``: also W4A8's exact unfolded kernel at every small
@@ -256,6 +257,8 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", small_rows[-1], False, dict(out_i64=True, pdl=False, gemm2_only=True), False)]
     # both wide GEMMs at gpt-oss's K tail (H = I = 2880: 16-bit scale loads; GEMM2's last program repeats a half)
     cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880), False)]
+    # ... and GEMM2 in pairs on 128-row tiles there (the last pair's second block a repeat)
+    cases += [("gluon_small", small_rows[-2], False, dict(hidden=2880, intermediate=2880, gemm2_only=True), False)]
     if unfolded:
         cases += [("gluon_small", r, True, dict(fold=False), False) for r in small_rows[:-1]]
     # the W4A8 prefill kernel: 64- and 128-row route tiles, the tests' 1024-K chains, gpt-oss's K tail (H = I = 2880)
@@ -279,7 +282,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
             name = (f"{kernel}-{r}-{'g1' if gemm1 else 'g2'}-{'fp8' if fp8 else 'bf16'}" + ("-direct" if direct else "")
                     + (f"-I{inter}" if inter != I else "") + (f"-H{hidden}" if hidden != H else "")
                     + (f"-{knobs}" if knobs else ""))
-            out.append((name, gemm1, fp8, cfg, dict(compile_kw, direct=direct, k=k)))
+            out.append((name, gemm1, fp8, cfg, dict(compile_kw, direct=direct, k=k, n=n)))
     return out
 
 
@@ -289,6 +292,7 @@ def default_reports(**shape) -> list:
     for name, gemm1, fp8, cfg, compile_kw in default_cases(**shape):
         rep = report(compile_gemm(gemm1, fp8, cfg, **compile_kw))
         out.append(dict(case=name, kernel=cfg.kernel, fp8=fp8, gemm1=gemm1, direct=compile_kw["direct"], k=compile_kw["k"],
+                        n=compile_kw["n"],
                         config=cfg.__dict__, registers=rep.registers,
                         spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes, mma_ops=rep.mma_ops,
                         async_copies=rep.async_copies, wgmma_serialized=rep.wgmma_serialized,

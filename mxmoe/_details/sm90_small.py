@@ -68,7 +68,7 @@ def _last_arrival(counter, ARRIVALS: gl.constexpr):
 
 @gluon.jit
 def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters_ptr, pid_n, pid_t, N,
-                        WIDTH: gl.constexpr, TOP_K: gl.constexpr):
+                        WIDTH: gl.constexpr, TOP_K: gl.constexpr, REPEAT_LAST: gl.constexpr):
     """The top-k sum inside GEMM2 (``DIRECT``: program column t wrote route t's routed row; token t // TOP_K):
     each program arrives on its (token, column block) counter (``_last_arrival``); the last to arrive adds the
     token's ``TOP_K`` routed rows of the block in route order in FP32 (as ``elementwise.topk_sum_kernel``: the
@@ -79,11 +79,17 @@ def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters
         L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=L)
         acc = gl.zeros([WIDTH], gl.float32, L)
-        ok = cols < N  # (PAIR at N % 128 == 64: the last block's second half)
         for k in gl.static_range(TOP_K):
-            acc += gl.load(routed_ptr + (token * TOP_K + k) * stride_routed + cols, mask=ok, other=0.0,
-                           cache_modifier=".cg").to(gl.float32)
-        gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            if REPEAT_LAST:  # (the last pair's second block: past N)
+                acc += gl.load(routed_ptr + (token * TOP_K + k) * stride_routed + cols, mask=cols < N, other=0.0,
+                               cache_modifier=".cg").to(gl.float32)
+            else:
+                acc += gl.load(routed_ptr + (token * TOP_K + k) * stride_routed + cols, cache_modifier=".cg").to(
+                    gl.float32)
+        if REPEAT_LAST:
+            gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+        else:
+            gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty))
         gl.store(counter, 0)
 
 
@@ -520,7 +526,7 @@ def moe_gemm_small_kernel(
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
     TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1,
     SUB_TILES: gl.constexpr = 1, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
-    PROMOTE: gl.constexpr = 0, PROMOTE_SMEM: gl.constexpr = False,
+    PROMOTE: gl.constexpr = 0, PROMOTE_SMEM: gl.constexpr = False, REPEAT_LAST: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles on one warpgroup; its flags: the module docstring."""
     a_ptr, a_scale_ptr, stride_a = a
@@ -533,6 +539,7 @@ def moe_gemm_small_kernel(
     gl.static_assert(BM == 64 and gl.num_warps() == 4)
     gl.static_assert(not FP8 or BK <= 128)
     gl.static_assert(not (PAIR and GEMM1))
+    gl.static_assert(not REPEAT_LAST or PAIR)
     gl.static_assert(not SUM_ROUTES or (DIRECT and not GEMM1 and TOP_K > 0))
     gl.static_assert(K_PARTS == 1 or (K_PARTS == 2 and DIRECT and GEMM1 and KSPLIT == 1))
     gl.static_assert(BT <= 128)  # (the 256-row tiles: sm90_wide.moe_gemm_wide_kernel)
@@ -566,8 +573,8 @@ def moe_gemm_small_kernel(
         # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
         expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, WIDTH, BT)
         half_rows = N if GEMM1 else BM
-        if PAIR:  # N % 128 == 64 (gpt-oss's 2880): the last program's second block repeats its first, unstored
-            half_rows = gl.minimum(BM, N - BM - n0)
+        if REPEAT_LAST:  # PAIR at N % 128 == 64 (gpt-oss's 2880): the last program's second block repeats its first,
+            half_rows = gl.minimum(BM, N - BM - n0)  # unstored
         num_k = K // BK
         MMA: gl.constexpr = _small_mma_layout(BT, FP8)
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -603,8 +610,11 @@ def moe_gemm_small_kernel(
         if DIRECT and not GEMM1:  # a masked route's row of the routed output is zero (the top-k sum adds it)
             ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=ZL)
-            gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, gl.zeros_like(cols).to(out_ptr.dtype.element_ty),
-                     mask=cols < N)
+            zeros = gl.zeros_like(cols).to(out_ptr.dtype.element_ty)
+            if REPEAT_LAST:  # (the last pair's second block: past N)
+                gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, zeros, mask=cols < N)
+            else:
+                gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, zeros)
     if SUM_ROUTES:
         _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t, N, WIDTH,
-                            TOP_K)
+                            TOP_K, REPEAT_LAST)

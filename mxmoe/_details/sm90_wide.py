@@ -289,6 +289,26 @@ def _wide_tail_groups(BK, S, SB):
 
 
 @gluon.jit
+def _column_blocks(N, W: gl.constexpr, REPEAT_LAST: gl.constexpr):
+    """A wide GEMM2's blocks of ``W`` output columns; ``REPEAT_LAST`` (N % 128 == 64): one more, whose second half
+    repeats its first (``_second_half``)."""
+    if REPEAT_LAST:
+        return gl.cdiv(N, W)
+    else:
+        return N // W
+
+
+@gluon.jit
+def _second_half(HALF: gl.constexpr, BM: gl.constexpr, N, n0, REPEAT_LAST: gl.constexpr):
+    """The weight rows of warpgroup ``HALF`` from its block's first (``n0``): BM for the second, 0 for the first; with
+    ``REPEAT_LAST`` 0 also for the second of the last block (N % 128 == 64: its columns are not stored)."""
+    if REPEAT_LAST:
+        return gl.minimum(HALF * BM, N - BM - n0)
+    else:
+        return HALF * BM
+
+
+@gluon.jit
 def _scale_load(ptrs):
     """A scale load of ``_scale_word_rows`` as int32 (``SB`` = 2: the 16-bit halves sign-extended; the factors read
     only their two bytes)."""
@@ -300,7 +320,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
                      out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging, first, end, N,
                      K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr,
                      BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, HALF: gl.constexpr):
+                     SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide W4A16 GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
@@ -322,7 +342,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     EL: gl.constexpr = gl.BlockedLayout([BT // 128], [32], [4], [0])  # a tile's slots over the warpgroup
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
     stride = gl.num_programs(0)
-    n_blocks = gl.cdiv(N, 2 * BM)  # (N % 128 == 64: the last tile's second BM rows repeat its first, not stored)
+    n_blocks = _column_blocks(N, 2 * BM, REPEAT_LAST)
     num_k = K // BK
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     offs_r = gl.arange(0, BM, layout=ROWS)
@@ -336,7 +356,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
              + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
     # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, BT)
-    w_row0 += gl.minimum(HALF * BM, N - BM - n0)
+    w_row0 += _second_half(HALF, BM, N, n0, REPEAT_LAST)
     w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U)
     a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
     for j in gl.static_range(S - 1):
@@ -371,7 +391,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         has_next = tile + stride < end
         nt = gl.minimum(tile + stride, end - 1)
         expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
-        w_row0_n += gl.minimum(HALF * BM, N - BM - n0_n)
+        w_row0_n += _second_half(HALF, BM, N, n0_n, REPEAT_LAST)
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
         w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
         a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
@@ -424,7 +444,7 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
                 num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                EARLY_WEIGHTS: gl.constexpr, HALF_REGS: gl.constexpr):
+                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, HALF_REGS: gl.constexpr):
     """W4A16 GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
@@ -432,7 +452,7 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
     every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
     gl.static_assert(BT == 256 and NUM_STAGES >= 3)
     first = gl.program_id(0)
-    end = gl.cdiv(N, 2 * BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: GEMM1 waited for it)
+    end = _column_blocks(N, 2 * BM, REPEAT_LAST) * gl.load(num_tiles_ptr)  # (the route pack is complete: GEMM1 waited for it)
     if first < end:
         act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
         # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
@@ -448,11 +468,11 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act, loaded, consumed,
                                 cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, SB, EARLY_WEIGHTS, 0)),
+                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, 0)),
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act, loaded, consumed,
                                 cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, SB, EARLY_WEIGHTS, 1)),
+                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, 1)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -464,6 +484,7 @@ def moe_gemm_wide_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
+    REPEAT_LAST: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
     one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
@@ -488,4 +509,4 @@ def moe_gemm_wide_kernel(
     else:
         _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                     num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
-                    NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, SPLIT_REGS)
+                    NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SPLIT_REGS)
