@@ -132,7 +132,8 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
     ("auto", "3.6.0", False, 288 * 130, 2880, ("gluon_small", "gluon_small")),  # N % 128 == 64: pairs at 128 rows
     ("auto", "3.6.0", False, 288 * 200, 2880, ("gluon_small", "gluon_small")),  # past 132 rows per expert: wide tiles
     ("auto", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),           # W4A8: the small-tile kernel always
-    ("auto", "3.6.0", True, 288 * 200, 2880, ("gluon_small", "gluon_small")),
+    ("auto", "3.6.0", True, 288 * 200, 2880, ("gluon_ws8", "gluon_small")),     # W4A8 prefill at K % 128 != 0
+    ("auto", "3.6.0", True, 288 * 20, 2880, ("gluon_small", "gluon_small")),    # ... below 32 rows per expert
     ("auto", "3.7.0", False, 8, 4096, ("triton", "triton")),                    # not validated on this Triton
     ("gluon", "3.7.0", False, 288 * 130, 2880, ("gluon_small", "gluon_small")),  # forced
     ("gluon", "3.6.0", True, 8, 4096, ("gluon_small", "gluon_small")),
@@ -140,22 +141,21 @@ def test_kernel_choice_on_cpu_is_the_plain_template(monkeypatch, value):
 ])
 def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expected):
     """The choice on an sm90 device (capability, Gluon availability and Triton version stubbed: no GPU needed);
-    ``n`` is GEMM2's N (the hidden size), GEMM1's is 1024."""
+    ``n`` is GEMM2's N (the hidden size, GEMM1's K), GEMM1's N and GEMM2's K are 1024."""
     import torch
 
     from mxmoe._details import config
 
     monkeypatch.setenv("MXMOE_KERNEL", env)
     monkeypatch.setattr(config, "interpreting", lambda: False)
-    monkeypatch.setattr(config, "gluon_kernel", lambda name="gluon": object())
+    monkeypatch.setattr(config, "gluon_kernel", lambda name="gluon_small": object())
     monkeypatch.setattr(config.triton, "__version__", version)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for gemm1, kernel in zip((True, False), expected):
-        gemm_n = 1024 if gemm1 else n
-        assert config.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, gemm1=gemm1,
-                                    n=gemm_n) == kernel
+        k = n if gemm1 else 1024
+        assert config.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, k=k) == kernel
         assert config.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False,
-                                    gemm1=gemm1, n=gemm_n) == "triton"
+                                    k=k) == "triton"
     # both GEMMs read one route pack: their configs agree on its tile height
     cfgs = [config.gemm_config(rows, 288, gn, k, fp8, kernel=kernel, gemm1=g1)
             for (gn, k, g1), kernel in zip(((1024, n, True), (n, 1024, False)), expected)]

@@ -133,7 +133,8 @@ def test_a_small_tile_gemm_takes_the_prefill_kernels_route_tiles(monkeypatch):
     experts = SimpleNamespace(num_experts=288, hidden_size=4096, intermediate_size=1024)
     x = torch.zeros(4, 4096, dtype=torch.bfloat16)
     for rows, bt in ((288 * 32, 64), (288 * 60, 64), (288 * 100, 128)):
-        monkeypatch.setattr(launch, "kernel_choice", lambda *a, gemm1=True, **k: "gluon_ws8" if gemm1 else "gluon_small")
+        # (GEMM1's K is H = 4096, GEMM2's I = 1024)
+        monkeypatch.setattr(launch, "kernel_choice", lambda *a, k=0, **kw: "gluon_ws8" if k == 4096 else "gluon_small")
         cfg1, cfg2 = launch._configs(x, experts, rows // 4, rows, True)
         assert (cfg1.kernel, cfg2.kernel) == ("gluon_ws8", "gluon_small")
         assert cfg1.block_rows == bt and cfg2.block_rows * cfg2.sub_tiles == bt

@@ -191,9 +191,9 @@ def w4a8_prefill(rows: int, num_experts: int, k: int) -> bool:
 
 
 def kernel_choice(device: torch.device, rows: int = 0, num_experts: int = 1, fp8: bool = False,
-                  shapes_ok: bool = True, gemm1: bool = True, n: int = 0, k: int = 0) -> str:
-    """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of GEMM1 (``gemm1``) or
-    GEMM2 (``n`` output columns) on CUDA.
+                  shapes_ok: bool = True, k: int = 0) -> str:
+    """``MXMOE_KERNEL`` (auto | triton | gluon; unset or empty = auto): the kernel of a GEMM of reduction length ``k``
+    over ``rows`` routed rows on CUDA.
 
     ``auto`` runs Gluon kernels on sm90 where they measured fastest (perf-notes steps 10, 11, 14, 49): the small-tile
     ``moe_gemm_small_kernel`` (and its wide form) for every GEMM except W4A8 prefill (:func:`w4a8_prefill`; ``k`` the
@@ -343,8 +343,8 @@ def _w4a8_tiles(cfg: dict, n: int, k: int, gemm1: bool) -> None:
 def _w4a16_gemm2(cfg: dict, rows: int, n: int, k: int) -> None:
     """W4A16 GEMM2: 128 K per stage on 16-row tiles (step 12); one token with at most 8 K steps: 6 stages, so that 5
     load before its wait while GEMM1 runs (step 19); two 64-row blocks per program from 32-row tiles (step 14), at
-    N % 128 == 64 (gpt-oss; the last pair's second block repeats its first) on 128-row tiles only (step 49: 44 % faster
-    than the warp-specialized kernel there, 25 % slower than single blocks at 32 and 64 rows)."""
+    N % 128 == 64 (gpt-oss; the last pair's second block repeats its first) on 128-row tiles only (step 49: GEMM2
+    30-44 % faster than on the warp-specialized kernel there, 23-25 % slower than single blocks at 32 and 64 rows)."""
     bt = cfg["block_rows"]
     if bt == 16 and k % 128 == 0:
         cfg.update(block_k=128)

@@ -220,8 +220,8 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
     gluon_ok = not (H % 64 or I % 64 or x.data_ptr() % 16 or x.stride(0) % 8)
     sms = _sm_count(x.device) if x.device.type == "cuda" else 0
     changes = current_overrides()
-    kernels = (kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=True, k=H),
-               kernel_choice(x.device, routes, E, fp8, gluon_ok, gemm1=False, n=H, k=I))
+    kernels = (kernel_choice(x.device, routes, E, fp8, gluon_ok, k=H),
+               kernel_choice(x.device, routes, E, fp8, gluon_ok, k=I))
 
     def config(gemm1: bool, fields: dict) -> GemmConfig:  # (the overrides win over the fields)
         if gemm1:

@@ -511,8 +511,8 @@ def _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, so
               HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
     if PAIR:  # the second block's rows
         _epilogue(acc_u, acc_u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
-                  topk_weights_ptr, expert, w_row0 + half_rows, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI,
-                  FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
+                  topk_weights_ptr, expert, w_row0 + half_rows, n0 + BM, slot0, N, top_k, limit, alpha, GEMM1,
+                  SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT)
 
 
 @gluon.jit

@@ -1,7 +1,8 @@
 """The wide W4A16 Gluon kernel (``moe_gemm_wide_kernel``): prefill past ~132 routed rows per expert, 256-row
 route tiles on two warpgroups, one chain of 64 x 256 each, persistent (a program per SM walking the tiles); GEMM1
 the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2 64 output columns each
-(``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps.
+(``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps. Any
+K and N multiple of 64 (gpt-oss's 2880: 16-bit scale loads; GEMM2's last block repeats a half).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -452,7 +453,8 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
     every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
     gl.static_assert(BT == 256 and NUM_STAGES >= 3)
     first = gl.program_id(0)
-    end = _column_blocks(N, 2 * BM, REPEAT_LAST) * gl.load(num_tiles_ptr)  # (the route pack is complete: GEMM1 waited for it)
+    # (the route pack is complete: GEMM1 waited for it)
+    end = _column_blocks(N, 2 * BM, REPEAT_LAST) * gl.load(num_tiles_ptr)
     if first < end:
         act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
         # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
@@ -489,9 +491,11 @@ def moe_gemm_wide_kernel(
     """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
     one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
     32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2 launched with PDL):
-    its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s). Arguments in the bundles
-    of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack`` the route pack, ``out`` the output,
-    ``dims`` the sizes and activation parameters."""
+    its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s). ``SCALE_BYTES``: the scale
+    bytes per load, 4 (a word, K % 128 == 0) or 2 (K % 128 == 64: a row's bytes start 2-byte aligned). ``REPEAT_LAST``
+    (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's rows, unstored. Arguments
+    in the bundles of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack`` the route pack, ``out``
+    the output, ``dims`` the sizes and activation parameters."""
     a_ptr, a_scale_ptr, stride_a = a
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
