@@ -63,8 +63,7 @@ class GemmConfig:
 
     @property
     def wide_scale_bytes(self) -> int:
-        """The wide kernels' scale bytes per load (``SCALE_BYTES``): a 32-bit word with ``scale_words``, else 16 bits."""
-        return 4 if self.scale_words else 2
+        return wide_scale_bytes(self.scale_words)
 
     def validate(self, n: int, k: int, gemm1: bool, fp8: bool) -> "GemmConfig":
         """This config, if its Gluon kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
@@ -111,6 +110,11 @@ class GemmConfig:
         if steps // (self.k_split * group) < 1:
             raise ValueError(f"k_split={self.k_split} needs at least {self.k_split * group} K steps, K={k} has fewer")
         return self
+
+
+def wide_scale_bytes(scale_words: bool) -> int:
+    """The wide kernels' scale bytes per load (``SCALE_BYTES``): a 32-bit word with ``scale_words``, else 16 bits."""
+    return 4 if scale_words else 2
 
 
 # ----------------------------------------------------------------------------------------------------- overrides
@@ -300,7 +304,7 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
     its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8)."""
     if gemm1:
         cfg.update(wide=True, maxnreg=255, num_stages=5)
-    elif k // 64 >= wide_tail_steps(64, 4, 4 if cfg["scale_words"] else 2):
+    elif k // 64 >= wide_tail_steps(64, 4, wide_scale_bytes(cfg["scale_words"])):
         cfg.update(wide=True, maxnreg=255, num_stages=4)
     else:
         cfg.update(block_rows=128, sub_tiles=2)
@@ -478,7 +482,7 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool, n: int) -> 
     blocks per program (``pair``, the wide tiles) at N % 128 == 64, whose last program's second block repeats its
     first (a constexpr: N % 128 == 0 compiles as before)."""
     common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
-                  REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and n % 128 != 0)
+                  REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and not gemm2_pair_fits(n))
     if cfg.wide:
         return dict(common, SCALE_BYTES=cfg.wide_scale_bytes)
     return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,

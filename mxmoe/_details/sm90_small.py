@@ -67,6 +67,16 @@ def _last_arrival(counter, ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
+def _store_columns(ptrs, values, cols, N, REPEAT_LAST: gl.constexpr):
+    """A program's output columns ``cols``; with ``REPEAT_LAST`` (a pair at N % 128 == 64) those below N only (the
+    last pair's second block is past N); else unmasked, as every column is the GEMM's."""
+    if REPEAT_LAST:
+        gl.store(ptrs, values, mask=cols < N)
+    else:
+        gl.store(ptrs, values)
+
+
+@gluon.jit
 def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters_ptr, pid_n, pid_t, N,
                         WIDTH: gl.constexpr, TOP_K: gl.constexpr, REPEAT_LAST: gl.constexpr):
     """The top-k sum inside GEMM2 (``DIRECT``: program column t wrote route t's routed row; token t // TOP_K):
@@ -86,10 +96,7 @@ def _sum_routes_if_last(routed_ptr, stride_routed, out_ptr, stride_out, counters
             else:
                 acc += gl.load(routed_ptr + (token * TOP_K + k) * stride_routed + cols, cache_modifier=".cg").to(
                     gl.float32)
-        if REPEAT_LAST:
-            gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
-        else:
-            gl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty))
+        _store_columns(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), cols, N, REPEAT_LAST)
         gl.store(counter, 0)
 
 
@@ -610,11 +617,8 @@ def moe_gemm_small_kernel(
         if DIRECT and not GEMM1:  # a masked route's row of the routed output is zero (the top-k sum adds it)
             ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             cols = pid_n * WIDTH + gl.arange(0, WIDTH, layout=ZL)
-            zeros = gl.zeros_like(cols).to(out_ptr.dtype.element_ty)
-            if REPEAT_LAST:  # (the last pair's second block: past N)
-                gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, zeros, mask=cols < N)
-            else:
-                gl.store(out_ptr + pid_t.to(gl.int64) * stride_out + cols, zeros)
+            _store_columns(out_ptr + pid_t.to(gl.int64) * stride_out + cols,
+                           gl.zeros_like(cols).to(out_ptr.dtype.element_ty), cols, N, REPEAT_LAST)
     if SUM_ROUTES:
         _sum_routes_if_last(out_ptr, stride_out, sum_out_ptr, stride_sum_out, counters_ptr, pid_n, pid_t, N, WIDTH,
                             TOP_K, REPEAT_LAST)
