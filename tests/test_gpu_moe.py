@@ -424,14 +424,24 @@ def test_wide_tiles(kind, ids_dtype, T):
         ids, w = routing(T, top_k, E, kind=route_kind, ids_dtype=ids_dtype, seed=7)
     outs = []
     wide, halves, narrow = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2), dict(block_rows=128)
-    for gemm1, gemm2 in ((wide, wide), (wide, halves), (narrow, narrow)):
+    # the wide kernels on 128-row tiles; short tiles (their MMAs on their first 64 or 128 rows)
+    wide1_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=5)
+    wide2_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=4, pair=False)
+    short64, short128 = dict(wide, short_rows=64), dict(wide, short_rows=128)
+    arms = ((wide, wide), (wide, halves), (narrow, narrow), (wide1_128, wide2_128), (short64, short64),
+            (short128, short128), (short64, halves), (dict(wide1_128, short_rows=64), dict(wide2_128, short_rows=64)))
+    for gemm1, gemm2 in arms:
         with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
+            # NaN in every intermediate row: a short GEMM1 tile writes its first rows only, and GEMM2 must not mix
+            # the others' into a stored column
+            ws.intermediate.view(torch.uint8).fill_(255)
             g1 = config.gemm_config(T * top_k, E, I, H, False, changes.gemm1, kernel="gluon_small")
             g2 = config.gemm_config(T * top_k, E, H, I, False, changes.gemm2, kernel="gluon_small", gemm1=False)
-            assert g1.wide is (gemm1 is wide) and g2.wide is (gemm2 is wide)
+            assert g1.wide is (gemm1 is not narrow) and g2.wide is (gemm2 not in (halves, narrow))
+            assert (g1.short_rows, g2.short_rows) == (gemm1.get("short_rows", 0), gemm2.get("short_rows", 0))
             outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @gluon_only

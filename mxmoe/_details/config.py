@@ -54,6 +54,7 @@ class GemmConfig:
     # that fill the SMs unevenly)
     wide: bool = False  # gluon_small W4A16 on 256-row route tiles, persistent, two warpgroups: GEMM1 the gate and up
     # rows of 32 output columns each (``_wide_gemm1``), GEMM2 64 output columns each (``_wide_gemm2``)
+    short_rows: int = 0  # wide: a route tile of at most this many rows runs its MMAs on them alone (0: never)
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
     split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
     # then its last ones tested (``sm90_small._small_steps``)
@@ -91,16 +92,19 @@ class GemmConfig:
             raise ValueError("pair is for GEMM2")
         if self.split_loop and (fp8 or self.wide):
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
-        if self.wide and not (not fp8 and self.block_rows == 256 and self.k_split == 1 and self.k_parts == 1):
-            raise ValueError("wide is for W4A16 on 256-row tiles")
+        if self.wide and not (not fp8 and self.block_rows in (128, 256) and self.k_split == 1 and self.k_parts == 1):
+            raise ValueError("wide is for W4A16 on 256- or 128-row tiles")
+        if self.short_rows and not (self.wide and self.short_rows in (64, 128) and self.short_rows < self.block_rows):
+            raise ValueError("short_rows is for the wide tiles: 64 or 128, below block_rows")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
                                     or self.block_k > 32 * self.wide_scale_bytes)
-        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != 64 or self.num_stages not in (3, 4)):
-            # (5 stages with its output staging exceed the shared memory)
-            raise ValueError("the wide GEMM2 takes no pair, block_k=64, 3 or 4 stages and at least its unrolled last "
-                             "K steps")
+        max_stages = 4 if self.block_rows == 256 else 6  # (256 rows: 5 with its output staging exceed the shared memory)
+        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != 64
+                                        or not 3 <= self.num_stages <= max_stages):
+            raise ValueError("the wide GEMM2 takes no pair, block_k=64, 3 or 4 stages (3 to 6 on 128-row tiles) and at "
+                             "least its unrolled last K steps")
         if gemm1 and wide_short:
             raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
                              "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
@@ -370,7 +374,7 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     chosen_bt = override.pop("block_rows", None)
     bt = chosen_bt or _small_tile_rows(rows, num_experts, n, k, fp8, gemm1)
     cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
-               k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
+               k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1, short_rows=0)
     if bt == WIDE_ROWS:
         _wide_knobs(cfg, k, gemm1)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
@@ -484,6 +488,6 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool, n: int) -> 
     common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
                   REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and not gemm2_pair_fits(n))
     if cfg.wide:
-        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes)
+        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes, SHORT=cfg.short_rows)
     return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
                 SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)

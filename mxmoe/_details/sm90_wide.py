@@ -31,7 +31,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                      NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                     HALF: gl.constexpr):
+                     SHORT: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide W4A16 GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
     ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
     ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
@@ -40,15 +40,10 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     steps, whose copies land during the epilogue."""
     R: gl.constexpr = BT // 2
     C: gl.constexpr = BM // 2  # output columns
-    NB: gl.constexpr = BK // 32
     S: gl.constexpr = NUM_STAGES
     gl.static_assert(NUM_STAGES >= 3 and BM == 64)
-    MMA: gl.constexpr = _small_mma_layout(BT, False)
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)
-    # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
-    HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
     if HALF == 1:
         _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     stride = gl.num_programs(0)
@@ -56,14 +51,9 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     num_k = K // BK
     col0 = HALF * C
     sm = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, SC)), N, col0)
-    acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
-    G: gl.constexpr = SB // NB  # K steps per scale load (SB bytes: ``_scale_word_rows``)
     AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
     a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
     a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // C, C // 8], [4, 1], [1, 0])  # [BT, C]: 16-B pieces
-    offs_t = gl.arange(0, BT, layout=gl.SliceLayout(1, OL))
-    offs_o = gl.arange(0, C, layout=gl.SliceLayout(0, OL))
     # the first tile: its copies, its first scale word
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, BT)
     _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
@@ -78,6 +68,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     mbarrier.wait(loaded.index(0), 0)
     codes = _fragment_words(packed.index(0), BM, BK, WL)
     c = 0  # ring steps so far
+    short = _short_tile(sorted_routes_ptr, slot0, SHORT)
     for tile in range(first, end, stride):
         # the next tile (the grid's last tile again where there is none): copy pointers, scale rows, row references;
         # the expert of the one after it
@@ -87,47 +78,95 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
         routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
-        acc = gl.zeros((BM, BT), gl.float32, MMA)
-        codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
-                                             0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
-                                             row_bytes, BM, BK, S, U, SB, HALF, WL, DOT)
-        # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
-        ok_n = routes_n >= 0
-        a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
-        w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
-        w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
-        codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
-                                             num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                             a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT)
-        c += num_k
-        # each row times its 2**(r - 127) (as _times_row_ref), then the gate and up rows apart
-        acc = acc * _pow2(_fold_ref(ref_ptr + w_row0 + acc_rows) - 127)[:, None]
-        g, u = acc.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
-        g = gl.convert_layout(g.reshape([C, BT]), HL, assert_trivial=True)
-        u = gl.convert_layout(u.reshape([C, BT]), HL, assert_trivial=True)
-        # the activation of every slot (a padding slot's row too: no routes to read) into ``staging`` [BT, C], then
-        # whole 16-B pieces of its rows to the output (from the accumulator layout: one 2-byte store per value)
-        y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                                                       topk_weights_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
-                                                       top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
-                                                       HAS_GSCALE, C, BT, HL, False, True)
-        staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
-        if OUT_I64:
-            out_ptrs = out_ptr + (slot0 + offs_t).to(gl.int64)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :]
+        short_n = _short_tile(sorted_routes_ptr, slot0_n, SHORT)
+        tile_args = (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, out_ptr, stride_out,
+                     packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, ok,
+                     row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm, a_cols, N, K,
+                     top_k, limit, alpha)
+        if SHORT == 0:
+            codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
+                                                                        BM, BT, BK, S, OUT_I64, U, SB, HALF)
+        elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
+            codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
+                                                                        BM, SHORT, BK, S, OUT_I64, U, SB, HALF)
         else:
-            out_ptrs = out_ptr + ((slot0 + offs_t)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :])
-        gl.store(out_ptrs, staging.load(OL))
+            codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
+                                                                        BM, BT, BK, S, OUT_I64, U, SB, HALF)
+        c += num_k
         expert = expert_n
         n0 = n0_n
         w_row0 = w_row0_n
         slot0 = slot0_n
-        w_ptrs = w_ptrs_n
-        a_ptrs = a_ptrs_n
-        ok = ok_n
-        w_rows = w_rows_n
+        short = short_n
         fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
         expert_n = expert_nn
     return ()
+
+
+@gluon.jit
+def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, out_ptr, stride_out,
+                     packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, ok,
+                     row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm, a_cols, N, K,
+                     top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
+                     BM: gl.constexpr, TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr,
+                     U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr):
+    """One tile of ``_wide_gemm1_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
+    BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
+    ones, then the epilogue of its ``TB`` slots. Returns the codes loaded for the next step, the next scale load and
+    the next tile's copy pointers and scale rows."""
+    C: gl.constexpr = BM // 2  # output columns
+    G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
+    MMA: gl.constexpr = _small_mma_layout(TB, False)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WL: gl.constexpr = _fragment_words_layout(BM, BK)
+    # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
+    HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // C, C // 8], [4, 1], [1, 0])  # [TB, C]: 16-B pieces
+    acc = gl.zeros((BM, TB), gl.float32, MMA)
+    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
+                                         0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
+                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, TB)
+    # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
+    ok_n = routes_n >= 0
+    a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
+    w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
+    w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
+    codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
+                                         num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
+                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, TB)
+    # each row times its 2**(r - 127) (as _times_row_ref), then the gate and up rows apart
+    acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
+    acc = acc * _pow2(_fold_ref(ref_ptr + w_row0 + acc_rows) - 127)[:, None]
+    g, u = acc.reshape([BM // 16, 2, 8, TB]).permute((0, 2, 3, 1)).split()
+    g = gl.convert_layout(g.reshape([C, TB]), HL, assert_trivial=True)
+    u = gl.convert_layout(u.reshape([C, TB]), HL, assert_trivial=True)
+    # the activation of every slot (a padding slot's row too: no routes to read) into ``staging`` [TB, C], then
+    # whole 16-B pieces of its rows to the output (from the accumulator layout: one 2-byte store per value)
+    # (routes and routing weights unread: GEMM1, ALL_ROWS)
+    y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, out_ptr,
+                                                   out_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
+                                                   top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
+                                                   HAS_GSCALE, C, TB, HL, False, True)
+    tile_staging = staging.slice(0, TB)
+    tile_staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+    offs_t = gl.arange(0, TB, layout=gl.SliceLayout(1, OL))
+    offs_o = gl.arange(0, C, layout=gl.SliceLayout(0, OL))
+    if OUT_I64:
+        out_ptrs = out_ptr + (slot0 + offs_t).to(gl.int64)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :]
+    else:
+        out_ptrs = out_ptr + ((slot0 + offs_t)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :])
+    gl.store(out_ptrs, tile_staging.load(OL))
+    return codes, nxt_w, w_ptrs_n, a_ptrs_n, ok_n, w_rows_n
+
+
+@gluon.jit
+def _short_tile(sorted_routes_ptr, slot0, SHORT: gl.constexpr):
+    """Whether the route tile from ``slot0`` holds at most ``SHORT`` rows (0: no short tiles). An expert's routes fill
+    the first slots of its tiles, so the slot after the first SHORT is padding then: one load per tile."""
+    if SHORT > 0:
+        return gl.load(sorted_routes_ptr + slot0 + SHORT) < 0
+    else:
+        return False
 
 
 @gluon.jit
@@ -135,7 +174,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                SB: gl.constexpr, HALF_REGS: gl.constexpr):
+                SB: gl.constexpr, SHORT: gl.constexpr, HALF_REGS: gl.constexpr):
     """W4A16 GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
@@ -143,7 +182,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
     They share the activation ring, each copying half of its rows; a slot is refilled once both warpgroups' MMAs on
     it completed (``consumed``), after this step's MMA went out (before it, each would wait for the other's MMA
     before converting). One program per SM: a program per tile would idle the SM through each tile's first loads."""
-    gl.static_assert(BT == 256)
+    gl.static_assert(BT == 256 or BT == 128)
     first = gl.program_id(0)
     end = (N // BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: the kernel waited for it)
     if first < end:
@@ -156,11 +195,11 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
                                 loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, 0)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, 0)),
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
                                 loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, 1)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, 1)),
         ], [4], [HALF_REGS])
 
 
@@ -184,7 +223,7 @@ def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl
 @gluon.jit
 def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr):
     """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
     its scale word ``cur_w``: the MMA of the codes loaded before (the next step's are loaded while it runs, if
     ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both warpgroups' MMAs on it
@@ -200,7 +239,10 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
         t = (c + 1) % S
         mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
         codes = _fragment_words(packed.index(t), BM, BK, WL)
-    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), act.index(s).permute((1, 0)), acc,
+    rows = act.index(s)
+    if TB < rows.shape[0]:  # a short tile (``_short_tile``): the MMA's N is its first TB rows
+        rows = rows.slice(0, TB)
+    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
                         is_async=True)
     if refill:
         if c > 0:
@@ -215,7 +257,7 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
 @gluon.jit
 def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr):
+                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr):
     """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
     tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
     the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
@@ -226,7 +268,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
         for g in gl.static_range(G):
             codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
                                     w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
-                                    WL, DOT)
+                                    WL, DOT, TB)
     return codes, acc, nxt_w
 
 
@@ -234,7 +276,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                      S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                     DOT: gl.constexpr):
+                     DOT: gl.constexpr, TB: gl.constexpr):
     """The last ``_wide_tail_groups`` scale-load groups of a wide tile's K loop, unrolled: which of their steps refill
     the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
     program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
@@ -252,15 +294,15 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
             if tg * G + g + S - 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
                                         a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
-                                        BK, S, U, HALF, WL, DOT)
+                                        BK, S, U, HALF, WL, DOT, TB)
             elif tg * G + g + 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
-                                        S, U, HALF, WL, DOT)
+                                        S, U, HALF, WL, DOT, TB)
             else:  # the tile's last step: the next tile's first codes
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
-                                        BK, S, U, HALF, WL, DOT)
+                                        BK, S, U, HALF, WL, DOT, TB)
     return codes, acc, nxt_w
 
 
@@ -268,17 +310,17 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                  S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                 DOT: gl.constexpr):
+                 DOT: gl.constexpr, TB: gl.constexpr):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
     Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
                                          num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok, row_bytes, BM,
-                                         BK, S, U, SB, HALF, WL, DOT)
+                                         BK, S, U, SB, HALF, WL, DOT, TB)
     return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
                             a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, SB,
-                            HALF, WL, DOT)
+                            HALF, WL, DOT, TB)
 
 
 @gluon.constexpr_function
@@ -321,7 +363,8 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
                      out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging, first, end, N,
                      K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr,
                      BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, HALF: gl.constexpr):
+                     SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, SHORT: gl.constexpr,
+                     HALF: gl.constexpr):
     """One warpgroup of the persistent wide W4A16 GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
@@ -334,21 +377,16 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     of output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
     R: gl.constexpr = BT // 2
     S: gl.constexpr = NUM_STAGES
-    MMA: gl.constexpr = _small_mma_layout(BT, False)
-    HM: gl.constexpr = _small_mma_layout(BT // 2, False)  # the epilogue's halves
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)
-    ROWS: gl.constexpr = gl.SliceLayout(1, HM)
+    ROWS: gl.constexpr = gl.SliceLayout(1, _small_mma_layout(BT // 2, False))  # (the epilogue's pieces of 128 rows)
     EL: gl.constexpr = gl.BlockedLayout([BT // 128], [32], [4], [0])  # a tile's slots over the warpgroup
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
     stride = gl.num_programs(0)
     n_blocks = _column_blocks(N, 2 * BM, REPEAT_LAST)
     num_k = K // BK
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     offs_r = gl.arange(0, BM, layout=ROWS)
     offs_e = gl.arange(0, BT, layout=EL)
-    offs_o = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
 
     # activation rows: this warpgroup's half of the tile's slots, all of them (the MMA's columns are independent, and
     # a padding slot's output column is not stored): one offset tensor for every tile, 32-bit
@@ -372,6 +410,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
     fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
+    short = _short_tile(sorted_routes_ptr, slot0, SHORT)
     mbarrier.wait(loaded.index(0), 0)
     codes = _fragment_words(packed.index(0), BM, BK, WL)
     c = 0  # ring steps so far
@@ -399,34 +438,17 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
-        acc = gl.zeros((BM, BT), gl.float32, MMA)
-        codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
-                                         num_k, w_ptrs, a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                         a_ptrs_n, None, BM, BK, S, U, SB, HALF, WL, DOT)
-        c += num_k
-        # epilogue: W4A16 row factors (as _times_row_ref), global scale, bias and routing weight (as _epilogue), in
-        # two halves of the routed rows, into ``staging``; then the routed rows' 16-B pieces to the output
-        p = n_tiles & 1
-        cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
-        cols.index(2 * p + 1).store(e_weights)
-        row_f = _pow2(gl.minimum(row_ref, FOLD_REF_MAX) - 127)
-        lo, hi = acc.reshape([BM, 2, BT // 2]).permute((0, 2, 1)).split()
-        for h in gl.static_range(2):
-            part = gl.convert_layout(lo if h == 0 else hi, HM, assert_trivial=True)
-            weights = cols.index(2 * p + 1).slice(h * R, R).load(gl.SliceLayout(0, HM))
-            y = part * row_f[:, None] * gs
-            if HAS_BIAS:
-                y += bias[:, None]
-            y = y * weights[None, :]
-            staging.slice(h * R, R).permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
-        routes = cols.index(2 * p).load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
-        row_ok = routes >= 0
-        offs_n = n0 + HALF * BM + offs_o
-        if OUT_I64:
-            out_ptrs = out_ptr + gl.where(row_ok, routes, 0).to(gl.int64)[:, None] * stride_out + offs_n[None, :]
+        short_n = _short_tile(sorted_routes_ptr, slot0_n, SHORT)
+        tile_args = (a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
+                     w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
+                     row_ref, bias, gs, e_routes, e_weights, n0, n_tiles & 1, N)
+        if SHORT == 0:
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, HALF)
+        elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, SHORT, BK, S, OUT_I64, U, SB, HALF)
         else:
-            out_ptrs = out_ptr + (gl.where(row_ok, routes, 0)[:, None] * stride_out + offs_n[None, :])
-        gl.store(out_ptrs, staging.load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, HALF)
+        c += num_k
         n_tiles += 1
         expert = expert_n
         n0 = n0_n
@@ -437,7 +459,62 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
         expert_n = expert_nn
         e_routes = e_routes_n
+        short = short_n
     return ()
+
+
+@gluon.jit
+def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
+                     w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
+                     row_ref, bias, gs, e_routes, e_weights, n0, p, N, HAS_BIAS: gl.constexpr, BM: gl.constexpr,
+                     TB: gl.constexpr,
+                     BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
+                     HALF: gl.constexpr):
+    """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
+    BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
+    ones, then the epilogue of its ``TB`` slots (routes and routing weights in ``cols`` at tile parity ``p``): row
+    factors, global scale ``gs``, bias and routing weight (as _epilogue), in pieces of at most 128 routed rows, into
+    ``staging``; then the routed rows' 16-B pieces to the output. Returns the codes loaded for the next step and the
+    next scale load."""
+    PIECES: gl.constexpr = 2 if TB > 128 else 1
+    PR: gl.constexpr = TB // PIECES
+    MMA: gl.constexpr = _small_mma_layout(TB, False)
+    HM: gl.constexpr = _small_mma_layout(PR, False)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WL: gl.constexpr = _fragment_words_layout(BM, BK)
+    ROWS: gl.constexpr = gl.SliceLayout(1, HM)
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [TB, BM]: 16-B pieces
+    acc = gl.zeros((BM, TB), gl.float32, MMA)
+    codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c, num_k, w_ptrs,
+                                     a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, None, BM, BK, S,
+                                     U, SB, HALF, WL, DOT, TB)
+    cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
+    cols.index(2 * p + 1).store(e_weights)
+    row_f = gl.convert_layout(_pow2(gl.minimum(row_ref, FOLD_REF_MAX) - 127), ROWS)
+    if HAS_BIAS:
+        bias = gl.convert_layout(bias, ROWS)
+    if PIECES == 2:
+        lo, hi = acc.reshape([BM, 2, PR]).permute((0, 2, 1)).split()
+    else:
+        lo = acc
+        hi = acc
+    for h in gl.static_range(PIECES):
+        part = gl.convert_layout(lo if h == 0 else hi, HM, assert_trivial=True)
+        weights = cols.index(2 * p + 1).slice(h * PR, PR).load(gl.SliceLayout(0, HM))
+        y = part * row_f[:, None] * gs
+        if HAS_BIAS:
+            y += bias[:, None]
+        y = y * weights[None, :]
+        staging.slice(h * PR, PR).permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+    routes = cols.index(2 * p).slice(0, TB).load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
+    row_ok = routes >= 0
+    offs_n = n0 + HALF * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+    if OUT_I64:
+        out_ptrs = out_ptr + gl.where(row_ok, routes, 0).to(gl.int64)[:, None] * stride_out + offs_n[None, :]
+    else:
+        out_ptrs = out_ptr + (gl.where(row_ok, routes, 0)[:, None] * stride_out + offs_n[None, :])
+    gl.store(out_ptrs, staging.slice(0, TB).load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
+    return codes, nxt_w
 
 
 @gluon.jit
@@ -445,13 +522,14 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
                 num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, HALF_REGS: gl.constexpr):
+                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, SHORT: gl.constexpr,
+                HALF_REGS: gl.constexpr):
     """W4A16 GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
     the wide GEMM1). With such short programs (K = I) a program per tile would leave the tensor core idle through
     every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
-    gl.static_assert(BT == 256 and NUM_STAGES >= 3)
+    gl.static_assert((BT == 256 or BT == 128) and NUM_STAGES >= 3)
     first = gl.program_id(0)
     # (the route pack is complete: GEMM1 waited for it)
     end = _column_blocks(N, 2 * BM, REPEAT_LAST) * gl.load(num_tiles_ptr)
@@ -470,11 +548,11 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act, loaded, consumed,
                                 cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, 0)),
+                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, 0)),
             (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                 tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act, loaded, consumed,
                                 cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, 1)),
+                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, 1)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -486,7 +564,7 @@ def moe_gemm_wide_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    REPEAT_LAST: gl.constexpr = False,
+    REPEAT_LAST: gl.constexpr = False, SHORT: gl.constexpr = 0,
 ):
     """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
     one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
@@ -501,7 +579,7 @@ def moe_gemm_wide_kernel(
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
     out_ptr, stride_out, topk_weights_ptr = out
     N, K, top_k, limit, alpha = dims
-    gl.static_assert(BM == 64 and BT == 256 and gl.num_warps() == 4)
+    gl.static_assert(BM == 64 and (BT == 256 or BT == 128) and gl.num_warps() == 4)
     gl.static_assert(not EARLY_WEIGHTS or not GEMM1)
     if not EARLY_WEIGHTS:
         _wait_for_previous_kernel()
@@ -509,8 +587,9 @@ def moe_gemm_wide_kernel(
         _launch_dependents()
         _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
-                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SPLIT_REGS)
+                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SHORT,
+                    SPLIT_REGS)
     else:
         _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                     num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
-                    NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SPLIT_REGS)
+                    NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SHORT, SPLIT_REGS)
