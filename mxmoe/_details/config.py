@@ -92,19 +92,22 @@ class GemmConfig:
             raise ValueError("pair is for GEMM2")
         if self.split_loop and (fp8 or self.wide):
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
-        if self.wide and not (not fp8 and self.block_rows in (128, 256) and self.k_split == 1 and self.k_parts == 1):
-            raise ValueError("wide is for W4A16 on 256- or 128-row tiles")
+        if self.wide and not (self.block_rows in (128, 256) and self.k_split == 1 and self.k_parts == 1
+                              and not self.promote):
+            raise ValueError("wide takes 256- or 128-row tiles, no K split and FP8 chains over all of K")
         if self.short_rows and not (self.wide and self.short_rows in (64, 128) and self.short_rows < self.block_rows):
             raise ValueError("short_rows is for the wide tiles: 64 or 128, below block_rows")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
                                     or self.block_k > 32 * self.wide_scale_bytes)
-        max_stages = 4 if self.block_rows == 256 else 6  # (256 rows: 5 with its output staging exceed the shared memory)
-        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != 64
-                                        or not 3 <= self.num_stages <= max_stages):
-            raise ValueError("the wide GEMM2 takes no pair, block_k=64, 3 or 4 stages (3 to 6 on 128-row tiles) and at "
-                             "least its unrolled last K steps")
+        if self.wide and wide_shared_bytes(self, gemm1, fp8) > SHARED_MAX:
+            raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1, fp8)} bytes "
+                             f"of shared memory, more than {SHARED_MAX}")
+        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != (128 if fp8 else 64)
+                                        and self.block_k != 64 or self.num_stages < 3):
+            raise ValueError("the wide GEMM2 takes no pair, block_k=64 (W4A8 also 128), at least 3 stages and at least "
+                             "its unrolled last K steps")
         if gemm1 and wide_short:
             raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
                              "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
@@ -114,6 +117,20 @@ class GemmConfig:
         if steps // (self.k_split * group) < 1:
             raise ValueError(f"k_split={self.k_split} needs at least {self.k_split * group} K steps, K={k} has fewer")
         return self
+
+
+SHARED_MAX = 232448  # sm90: shared memory per program (227 KB)
+
+
+def wide_shared_bytes(cfg: GemmConfig, gemm1: bool, fp8: bool) -> int:
+    """Shared memory of the wide kernels (``sm90_wide``), barriers left out: the activation ring (one or two bytes per
+    value), both warpgroups' packed weights and output staging (GEMM1 BM/2 columns of BF16, W4A8 FP32; GEMM2 BM of
+    BF16) and GEMM2's routes, routing weights (and W4A8's row scales)."""
+    act = cfg.num_stages * cfg.block_rows * cfg.block_k * (1 if fp8 else 2)
+    packed = 2 * cfg.num_stages * cfg.block_m * cfg.block_k // 2
+    if gemm1:
+        return act + packed + 2 * cfg.block_rows * cfg.block_m // 2 * (4 if fp8 else 2)
+    return act + packed + 2 * cfg.block_rows * cfg.block_m * 2 + 2 * (8 if fp8 else 4) * cfg.block_rows * 4
 
 
 def wide_scale_bytes(scale_words: bool) -> int:
@@ -303,15 +320,19 @@ def _small_tile_rows(rows: int, num_experts: int, n: int, k: int, fp8: bool, gem
     return tile_rows_for(rows, num_experts, first_fill=0.75)
 
 
-def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
+def _wide_knobs(cfg: dict, k: int, gemm1: bool, fp8: bool) -> None:
     """The wide tiles: GEMM1 on two warpgroups, 5 stages (step 21); GEMM2 persistent on two warpgroups where it has
-    its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8)."""
+    its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8). W4A8 (step 50) as W4A16, 64 K
+    per stage (128: 1 KB of spills at K = 4096), as many stages as fit the shared memory."""
+    bk = cfg["block_k"]
     if gemm1:
         cfg.update(wide=True, maxnreg=255, num_stages=5)
-    elif k // 64 >= wide_tail_steps(64, 4, wide_scale_bytes(cfg["scale_words"])):
+    elif k // bk >= wide_tail_steps(bk, 4, wide_scale_bytes(cfg["scale_words"])):
         cfg.update(wide=True, maxnreg=255, num_stages=4)
     else:
-        cfg.update(block_rows=128, sub_tiles=2)
+        cfg.update(block_rows=128, sub_tiles=2, block_k=64)
+    while cfg["wide"] and wide_shared_bytes(GemmConfig(**cfg), gemm1, fp8) > SHARED_MAX:
+        cfg["num_stages"] -= 1
 
 
 def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: bool, sm_count: int,
@@ -375,10 +396,10 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     bt = chosen_bt or _small_tile_rows(rows, num_experts, n, k, fp8, gemm1)
     cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1, short_rows=0)
-    if bt == WIDE_ROWS:
-        _wide_knobs(cfg, k, gemm1)
+    if bt == WIDE_ROWS or override.get("wide"):
+        _wide_knobs(cfg, k, gemm1, fp8)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
-    if fp8:
+    if fp8 and not cfg["wide"]:
         _w4a8_tiles(cfg, n, k, gemm1)
     elif not gemm1:
         _w4a16_gemm2(cfg, rows, n, k)

@@ -72,6 +72,8 @@ def _gemm_launches(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_
     common = (a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_weights, n, k, top_k, limit, alpha, gemm1,
               swigluoai, fp8)
     if fp8 and cfg.kernel != "triton":
+        if cfg.wide and not all_fold:  # (a persistent program's ring runs on across tiles: it skips none)
+            raise ValueError("the wide W4A8 tiles need every expert's scales to fold (prepare.fold_fits)")
         launches = [_gemm_launch(*common, cfg, direct, fold, True)]
         if not all_fold:
             launches.append(_gemm_launch(*common, unfolded_config(cfg, gemm1, k), direct, fold, False))
@@ -92,8 +94,7 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
     meta = dict(GEMM1=gemm1, SWIGLUOAI=swigluoai, HAS_BIAS=bias is not None, HAS_GSCALE=gscale is not None,
                 BM=cfg.block_m, BT=cfg.block_rows, BK=cfg.block_k, NUM_STAGES=cfg.num_stages, W_UNIT=row_block_unit(k),
                 num_warps=cfg.num_warps)
-    if not cfg.wide:  # (W4A16 only)
-        meta.update(FP8=fp8)
+    meta.update(FP8=fp8)
     args = [a, a_scale if a_scale is not None else w_ref, a.stride(0),
             w, w_scale, w_ref, gscale if gscale is not None else w_ref, bias if bias is not None else w_ref,
             *((w_ref, w_ref, w_ref) if direct else (pack.sorted_routes, pack.tile_expert, pack.num_tiles)),

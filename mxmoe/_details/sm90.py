@@ -85,8 +85,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         from .config import gluon_kernel, small_kernel_constexprs
         kernel, source = gluon_kernel(cfg.kernel, cfg.wide), GluonASTSource
         const.update(OUT_I64=out_i64)
-        if cfg.wide:  # as launched on sm90 (programmatic dependent launch); W4A16 only
-            del const["FP8"]
+        if cfg.wide:  # as launched on sm90 (programmatic dependent launch)
             const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl, n=n))
         elif cfg.kernel == "gluon_small":
             const.update(small_kernel_constexprs(cfg, gemm1, pdl=pdl, n=n))

@@ -9,7 +9,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .convert import FOLD_REF_MAX
-from .sm90_operands import (_bf16_operand, _fold_addend, _fold_ref, _fragment_words, _fragment_words_layout, _pow2,
+from .sm90_operands import (_bf16_operand, _e4m3_addends, _e4m3_operands, _fold_addend, _fp8_chain,
+                            _fragment_bytes, _fragment_words, _fragment_words_layout, _keep_alive, _pow2,
                             _scale_word_factors, _scale_word_rows, _small_mma_layout)
 from .sm90_pipeline import (_copy_pointers, _epilogue_values, _issue_stage, _launch_dependents, _origin, _tile_origin,
                             _wait_for_previous_kernel, _weight_pointers)
@@ -31,8 +32,8 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                      NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                     SHORT: gl.constexpr, HALF: gl.constexpr):
-    """One warpgroup of the persistent wide W4A16 GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
+                     SHORT: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup of the persistent wide GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
     ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
     ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
     ..`` of the shared ring; then the epilogue of its BM/2 columns for all BT routed rows, from its own accumulator.
@@ -51,7 +52,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     num_k = K // BK
     col0 = HALF * C
     sm = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, SC)), N, col0)
-    AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
+    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK)
     a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
     a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
     # the first tile: its copies, its first scale word
@@ -63,10 +64,10 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
     nxt_w = _scale_load(w_rows)
-    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
+    fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     mbarrier.wait(loaded.index(0), 0)
-    codes = _fragment_words(packed.index(0), BM, BK, WL)
+    codes = _stage_codes(packed.index(0), BM, BK, U, WL, FP8)
     c = 0  # ring steps so far
     short = _short_tile(sorted_routes_ptr, slot0, SHORT)
     for tile in range(first, end, stride):
@@ -79,53 +80,53 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         short_n = _short_tile(sorted_routes_ptr, slot0_n, SHORT)
-        tile_args = (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, out_ptr, stride_out,
-                     packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, ok,
-                     row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm, a_cols, N, K,
-                     top_k, limit, alpha)
+        tile_args = (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                     out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k,
+                     w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm,
+                     a_cols, N, K, top_k, limit, alpha)
         if SHORT == 0:
             codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, BT, BK, S, OUT_I64, U, SB, HALF)
+                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
         elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
             codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, SHORT, BK, S, OUT_I64, U, SB, HALF)
+                                                                        BM, SHORT, BK, S, OUT_I64, U, SB, FP8, HALF)
         else:
             codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, BT, BK, S, OUT_I64, U, SB, HALF)
+                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
         c += num_k
         expert = expert_n
         n0 = n0_n
         w_row0 = w_row0_n
         slot0 = slot0_n
         short = short_n
-        fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
+        fac0 = _row_addends(ref_n, FP8)
         expert_n = expert_nn
     return ()
 
 
 @gluon.jit
-def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, out_ptr, stride_out,
-                     packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, ok,
-                     row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm, a_cols, N, K,
-                     top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
-                     BM: gl.constexpr, TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr,
-                     U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr):
+def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                     out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k,
+                     w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm,
+                     a_cols, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     HAS_GSCALE: gl.constexpr, BM: gl.constexpr, TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
+                     OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
     """One tile of ``_wide_gemm1_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
     BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
     ones, then the epilogue of its ``TB`` slots. Returns the codes loaded for the next step, the next scale load and
     the next tile's copy pointers and scale rows."""
     C: gl.constexpr = BM // 2  # output columns
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
-    MMA: gl.constexpr = _small_mma_layout(TB, False)
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    MMA: gl.constexpr = _small_mma_layout(TB, FP8)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
     HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // C, C // 8], [4, 1], [1, 0])  # [TB, C]: 16-B pieces
+    OL: gl.constexpr = _out_piece_layout(out_ptr.dtype.element_ty, C)  # [TB, C]: 16-B pieces
     acc = gl.zeros((BM, TB), gl.float32, MMA)
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
-                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, TB)
+                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8)
     # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
     ok_n = routes_n >= 0
     a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
@@ -133,20 +134,20 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
     codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, TB)
-    # each row times its 2**(r - 127) (as _times_row_ref), then the gate and up rows apart
+                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8)
+    # each row times its factor (``_row_factors``), then the gate and up rows apart
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
-    acc = acc * _pow2(_fold_ref(ref_ptr + w_row0 + acc_rows) - 127)[:, None]
+    acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows), FP8)[:, None]
     g, u = acc.reshape([BM // 16, 2, 8, TB]).permute((0, 2, 3, 1)).split()
     g = gl.convert_layout(g.reshape([C, TB]), HL, assert_trivial=True)
     u = gl.convert_layout(u.reshape([C, TB]), HL, assert_trivial=True)
-    # the activation of every slot (a padding slot's row too: no routes to read) into ``staging`` [TB, C], then
-    # whole 16-B pieces of its rows to the output (from the accumulator layout: one 2-byte store per value)
-    # (routes and routing weights unread: GEMM1, ALL_ROWS)
-    y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, out_ptr,
-                                                   out_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
-                                                   top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
-                                                   HAS_GSCALE, C, TB, HL, False, True)
+    # the activation of every slot (W4A16: a padding slot's row too, no routes to read; W4A8: its row's scale, zero
+    # for padding) into ``staging`` [TB, C], then whole 16-B pieces of its rows to the output (from the accumulator
+    # layout: one store per value)
+    y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                                                   sorted_routes_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
+                                                   top_k, limit, alpha, True, SWIGLUOAI, FP8, HAS_BIAS,
+                                                   HAS_GSCALE, C, TB, HL, False, not FP8)
     tile_staging = staging.slice(0, TB)
     tile_staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
     offs_t = gl.arange(0, TB, layout=gl.SliceLayout(1, OL))
@@ -157,6 +158,49 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         out_ptrs = out_ptr + ((slot0 + offs_t)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :])
     gl.store(out_ptrs, tile_staging.load(OL))
     return codes, nxt_w, w_ptrs_n, a_ptrs_n, ok_n, w_rows_n
+
+
+@gluon.constexpr_function
+def _act_copy_layout(dtype, BK):
+    """The activation rows' copy layout of ``_copy_pointers`` (16-B pieces, [rows, BK])."""
+    epv = 128 // dtype.primitive_bitwidth
+    return gl.BlockedLayout([1, epv], [32 // (BK // epv), BK // epv], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _out_piece_layout(dtype, C):
+    """[rows, C] output values in 16-B pieces of rows, over one warpgroup."""
+    epv = 128 // dtype.primitive_bitwidth
+    return gl.BlockedLayout([1, epv], [32 * epv // C, C // epv], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _row_addends(ref, FP8: gl.constexpr):
+    """Per weight row, from its reference byte ``ref`` (the largest scale byte): W4A16 the addend of its BF16x2 block
+    factors (``_fold_addend`` of ``_fold_ref``), W4A8 its E4M3 tables' two addends (``_e4m3_addends``)."""
+    if FP8:
+        return _e4m3_addends(ref)
+    else:
+        return _fold_addend(gl.minimum(ref, FOLD_REF_MAX))
+
+
+@gluon.jit
+def _row_factors(ref, FP8: gl.constexpr):
+    """Each weight row's factor after the K loop: W4A16 2**(r - 127) (blocks folded relative to r = ``_fold_ref``),
+    W4A8 2**(ref - 133) (its blocks folded into E4M3 as 2**(b + 6 - ref))."""
+    if FP8:
+        return _pow2(ref - 133)
+    else:
+        return _pow2(gl.minimum(ref, FOLD_REF_MAX) - 127)
+
+
+@gluon.jit
+def _stage_codes(packed_s, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, WL: gl.constexpr, FP8: gl.constexpr):
+    """A ring slot's packed weights as the conversion reads them: W4A8 bytes (``_fragment_bytes``), W4A16 words."""
+    if FP8:
+        return _fragment_bytes(packed_s, BM, BK, U)
+    else:
+        return _fragment_words(packed_s, BM, BK, WL)
 
 
 @gluon.jit
@@ -174,8 +218,8 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                SB: gl.constexpr, SHORT: gl.constexpr, HALF_REGS: gl.constexpr):
-    """W4A16 GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
+                SB: gl.constexpr, SHORT: gl.constexpr, FP8: gl.constexpr, HALF_REGS: gl.constexpr):
+    """GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
     converting while the other's MMA runs: half the conversion per MMA of the 128-row tiles' two chains of 64 x 128.
@@ -195,11 +239,11 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
                                 loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, 0)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, 0)),
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
                                 loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, 1)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, 1)),
         ], [4], [HALF_REGS])
 
 
@@ -223,7 +267,8 @@ def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl
 @gluon.jit
 def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr):
+               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr,
+               FP8: gl.constexpr):
     """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
     its scale word ``cur_w``: the MMA of the codes loaded before (the next step's are loaded while it runs, if
     ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both warpgroups' MMAs on it
@@ -232,24 +277,37 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
     conditions are mostly compile-time constants: a runtime test per step costs instructions in every step."""
     NB: gl.constexpr = BK // 32
     s = c % S
-    # BF16x2 2**(126 + b - r) per (row, block), two blocks per word where NB is even (as in _small_steps)
-    f = _scale_word_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
+    if FP8:  # each block's scale byte, its E4M3 table from it and the row's addends ``fac0`` (``_e4m3_addends``)
+        sb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
+        b = (cur_w[:, None] >> (8 * (g * NB + sb))[None, :]) & 0xFF
+    else:  # BF16x2 2**(126 + b - r) per (row, block), two blocks per word where NB is even (as in _small_steps)
+        f = _scale_word_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
     cur = codes
     if load_next:
         t = (c + 1) % S
         mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
-        codes = _fragment_words(packed.index(t), BM, BK, WL)
+        if FP8:
+            codes = _fragment_bytes(packed.index(t), BM, BK, U)
+        else:
+            codes = _fragment_words(packed.index(t), BM, BK, WL)
     rows = act.index(s)
     if TB < rows.shape[0]:  # a short tile (``_short_tile``): the MMA's N is its first TB rows
         rows = rows.slice(0, TB)
-    acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
-                        is_async=True)
+    if FP8:  # one FP8 wgmma per K32 block, chained
+        ops = _e4m3_operands(cur, b, fac0[0], fac0[1], BM, BK, DOT)
+        acc = _fp8_chain(ops, rows, acc, NB)
+    else:
+        acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
+                            is_async=True)
     if refill:
         if c > 0:
             mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK, U, 0,
                      True, HALF * a_ptrs.shape[0])
     acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if FP8:  # (the FP8 operands' registers live until the MMAs read them: ``_keep_alive``)
+        for j in gl.static_range(NB):
+            _keep_alive(ops[j])
     mbarrier.arrive(consumed.index(s))
     return codes, acc
 
@@ -257,7 +315,7 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
 @gluon.jit
 def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr):
+                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
     """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
     tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
     the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
@@ -268,7 +326,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
         for g in gl.static_range(G):
             codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
                                     w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
-                                    WL, DOT, TB)
+                                    WL, DOT, TB, FP8)
     return codes, acc, nxt_w
 
 
@@ -276,7 +334,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                      S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                     DOT: gl.constexpr, TB: gl.constexpr):
+                     DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
     """The last ``_wide_tail_groups`` scale-load groups of a wide tile's K loop, unrolled: which of their steps refill
     the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
     program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
@@ -294,15 +352,15 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
             if tg * G + g + S - 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
                                         a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
-                                        BK, S, U, HALF, WL, DOT, TB)
+                                        BK, S, U, HALF, WL, DOT, TB, FP8)
             elif tg * G + g + 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
-                                        S, U, HALF, WL, DOT, TB)
+                                        S, U, HALF, WL, DOT, TB, FP8)
             else:  # the tile's last step: the next tile's first codes
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
-                                        BK, S, U, HALF, WL, DOT, TB)
+                                        BK, S, U, HALF, WL, DOT, TB, FP8)
     return codes, acc, nxt_w
 
 
@@ -310,17 +368,17 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                  S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                 DOT: gl.constexpr, TB: gl.constexpr):
+                 DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
     Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
                                          num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok, row_bytes, BM,
-                                         BK, S, U, SB, HALF, WL, DOT, TB)
+                                         BK, S, U, SB, HALF, WL, DOT, TB, FP8)
     return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
                             a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, SB,
-                            HALF, WL, DOT, TB)
+                            HALF, WL, DOT, TB, FP8)
 
 
 @gluon.constexpr_function
@@ -359,13 +417,13 @@ def _scale_load(ptrs):
 
 
 @gluon.jit
-def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
-                     out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging, first, end, N,
-                     K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr,
-                     BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, SHORT: gl.constexpr,
-                     HALF: gl.constexpr):
-    """One warpgroup of the persistent wide W4A16 GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
+def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                     tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging,
+                     first, end, N, K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
+                     BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
+                     U: gl.constexpr, SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr,
+                     SHORT: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup of the persistent wide GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
     tiles: a tile's last steps refill it with the next tile's first steps, whose copies land during the epilogue.
@@ -390,7 +448,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
 
     # activation rows: this warpgroup's half of the tile's slots, all of them (the MMA's columns are independent, and
     # a padding slot's output column is not stored): one offset tensor for every tile, 32-bit
-    AL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [4, 1], [1, 0])  # as _copy_pointers'
+    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK)
     a_off = ((HALF * R + gl.arange(0, R, layout=gl.SliceLayout(1, AL)))[:, None] * stride_a
              + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
     # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
@@ -407,12 +465,12 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U, 2, True, HALF * R)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
     nxt_w = _scale_load(w_rows)
-    fac0 = _fold_addend(_fold_ref(ref_ptr + w_row0 + sm))
+    fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
     short = _short_tile(sorted_routes_ptr, slot0, SHORT)
     mbarrier.wait(loaded.index(0), 0)
-    codes = _fragment_words(packed.index(0), BM, BK, WL)
+    codes = _stage_codes(packed.index(0), BM, BK, U, WL, FP8)
     c = 0  # ring steps so far
     n_tiles = 0  # tiles so far
     for tile in range(first, end, stride):
@@ -426,6 +484,9 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         if HAS_GSCALE:
             gs = gl.load(gscale_ptr + expert)
         e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)  # (its routes: a tile ago)
+        e_scales = e_weights
+        if FP8:  # each slot's row scale (the intermediate's E4M3 quantization)
+            e_scales = gl.load(a_scale_ptr + slot0 + offs_e, mask=e_routes >= 0, other=0.0)
         # the next tile (the grid's last tile again where there is none): copy pointers, scale row, row references
         # (used at the end of this tile), its slots' routes; the expert of the one after it
         has_next = tile + stride < end
@@ -441,13 +502,13 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         short_n = _short_tile(sorted_routes_ptr, slot0_n, SHORT)
         tile_args = (a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
-                     row_ref, bias, gs, e_routes, e_weights, n0, n_tiles & 1, N)
+                     row_ref, bias, gs, e_routes, e_weights, e_scales, n0, n_tiles & 1, N)
         if SHORT == 0:
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, HALF)
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
         elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, SHORT, BK, S, OUT_I64, U, SB, HALF)
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, SHORT, BK, S, OUT_I64, U, SB, FP8, HALF)
         else:
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, HALF)
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
         c += num_k
         n_tiles += 1
         expert = expert_n
@@ -456,7 +517,7 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
         w_ptrs = w_ptrs_n
         a_ptrs = a_ptrs_n
         w_rows = w_rows_n
-        fac0 = _fold_addend(gl.minimum(ref_n, FOLD_REF_MAX))
+        fac0 = _row_addends(ref_n, FP8)
         expert_n = expert_nn
         e_routes = e_routes_n
         short = short_n
@@ -466,10 +527,10 @@ def _wide_gemm2_half(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_pt
 @gluon.jit
 def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
-                     row_ref, bias, gs, e_routes, e_weights, n0, p, N, HAS_BIAS: gl.constexpr, BM: gl.constexpr,
-                     TB: gl.constexpr,
-                     BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                     HALF: gl.constexpr):
+                     row_ref, bias, gs, e_routes, e_weights, e_scales, n0, p, N, HAS_BIAS: gl.constexpr,
+                     BM: gl.constexpr,
+                     TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
+                     SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
     """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
     BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
     ones, then the epilogue of its ``TB`` slots (routes and routing weights in ``cols`` at tile parity ``p``): row
@@ -478,19 +539,21 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
     next scale load."""
     PIECES: gl.constexpr = 2 if TB > 128 else 1
     PR: gl.constexpr = TB // PIECES
-    MMA: gl.constexpr = _small_mma_layout(TB, False)
-    HM: gl.constexpr = _small_mma_layout(PR, False)
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    MMA: gl.constexpr = _small_mma_layout(TB, FP8)
+    HM: gl.constexpr = _small_mma_layout(PR, FP8)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     ROWS: gl.constexpr = gl.SliceLayout(1, HM)
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [TB, BM]: 16-B pieces
     acc = gl.zeros((BM, TB), gl.float32, MMA)
     codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c, num_k, w_ptrs,
                                      a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, None, BM, BK, S,
-                                     U, SB, HALF, WL, DOT, TB)
+                                     U, SB, HALF, WL, DOT, TB, FP8)
     cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
     cols.index(2 * p + 1).store(e_weights)
-    row_f = gl.convert_layout(_pow2(gl.minimum(row_ref, FOLD_REF_MAX) - 127), ROWS)
+    if FP8:
+        cols.index(4 + p).store(e_scales)
+    row_f = gl.convert_layout(_row_factors(row_ref, FP8), ROWS)
     if HAS_BIAS:
         bias = gl.convert_layout(bias, ROWS)
     if PIECES == 2:
@@ -502,6 +565,8 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
         part = gl.convert_layout(lo if h == 0 else hi, HM, assert_trivial=True)
         weights = cols.index(2 * p + 1).slice(h * PR, PR).load(gl.SliceLayout(0, HM))
         y = part * row_f[:, None] * gs
+        if FP8:  # (before the bias, as _epilogue_values' column scales)
+            y = y * cols.index(4 + p).slice(h * PR, PR).load(gl.SliceLayout(0, HM))[None, :]
         if HAS_BIAS:
             y += bias[:, None]
         y = y * weights[None, :]
@@ -518,13 +583,13 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
 
 
 @gluon.jit
-def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
-                num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
+def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, SHORT: gl.constexpr,
+                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, SHORT: gl.constexpr, FP8: gl.constexpr,
                 HALF_REGS: gl.constexpr):
-    """W4A16 GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
+    """GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
     the wide GEMM1). With such short programs (K = I) a program per tile would leave the tensor core idle through
@@ -538,21 +603,22 @@ def _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, so
         # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
         # stores and loads of them: Triton's shared-memory barrier pass)
         FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        cols_0 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
-        cols_1 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
+        CW: gl.constexpr = 8 if FP8 else 4  # W4A8 also each slot's row scale (rows 4 + parity; 8: a power of two)
+        cols_0 = gl.allocate_shared_memory(gl.float32, [CW, BT], FL)
+        cols_1 = gl.allocate_shared_memory(gl.float32, [CW, BT], FL)
         # each warpgroup's BF16 results of a tile, the routed rows' 16-B pieces then stored from here
         OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM], out_ptr.dtype.element_ty)
         staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
         staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
         gl.warp_specialize([
-            (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                                tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act, loaded, consumed,
-                                cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, 0)),
-            (_wide_gemm2_half, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                                tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act, loaded, consumed,
-                                cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES,
-                                OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, 1)),
+            (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
+                                loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
+                                NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 0)),
+            (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
+                                loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
+                                NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 1)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -564,7 +630,7 @@ def moe_gemm_wide_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    REPEAT_LAST: gl.constexpr = False, SHORT: gl.constexpr = 0,
+    REPEAT_LAST: gl.constexpr = False, SHORT: gl.constexpr = 0, FP8: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
     one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
@@ -587,9 +653,10 @@ def moe_gemm_wide_kernel(
         _launch_dependents()
         _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
-                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SHORT,
+                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SHORT, FP8,
                     SPLIT_REGS)
     else:
-        _wide_gemm2(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
-                    num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
-                    NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SHORT, SPLIT_REGS)
+        _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
+                    tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE,
+                    BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8,
+                    SPLIT_REGS)
