@@ -325,8 +325,8 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool, fp8: bool) -> None:
     its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8). W4A8 (step 50) as W4A16, 64 K
     per stage (128: 1 KB of spills at K = 4096), as many stages as fit the shared memory."""
     bk = cfg["block_k"]
-    if gemm1:
-        cfg.update(wide=True, maxnreg=255, num_stages=5)
+    if gemm1:  # (W4A8 at K % 128 == 0, two steps per scale word: 5 stages spill 16 B)
+        cfg.update(wide=True, maxnreg=255, num_stages=4 if fp8 and k % 128 == 0 else 5)
     elif k // bk >= wide_tail_steps(bk, 4, wide_scale_bytes(cfg["scale_words"])):
         cfg.update(wide=True, maxnreg=255, num_stages=4)
     else:
