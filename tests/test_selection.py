@@ -356,7 +356,7 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
                 assert g2i.block_rows == 128 and g2i.sub_tiles == 2 and g2i.pair
         # tiles it cannot take: 5 stages (with its output staging past the shared memory), 2, 128-K stages
         for bad in ({"num_stages": 5}, {"num_stages": 2}, {"block_k": 128}):
-            with pytest.raises(ValueError, match="the wide GEMM2"):
+            with pytest.raises(ValueError, match="the wide GEMM2|shared memory"):
                 gemm_config(rows, E, H, 1024, fp8, bad, kernel="gluon_small", gemm1=False)
         # an explicit tile height wins
         assert not gemm_config(rows, E, 1024, H, fp8, {"block_rows": 128}, kernel="gluon_small", gemm1=True).wide
@@ -389,6 +389,32 @@ def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
     with pytest.raises(ValueError, match="the wide GEMM1"):
         gemm_config(rows, 288, 1024, 1024, False, dict(wide, block_k=128, scale_words=False), kernel="gluon_small",
                     gemm1=True)
+
+
+def test_wide_short_tiles_and_w4a8_configs():
+    """``short_rows`` (64 or 128, below the tile height) only on the wide tiles. W4A8 on the wide tiles, by override:
+    64-K stages, FP8 chains over all of K (no promotion), every config within the shared memory
+    (``wide_shared_bytes``), GEMM1 on 5 stages at K = 2880 and 4 at K = 4096, GEMM2 on 4; too many stages refused."""
+    from mxmoe._details.config import SHARED_MAX, gemm_config, wide_shared_bytes
+
+    rows = 8192 * 4
+    wide = dict(kernel="gluon_small", block_rows=256, wide=True)
+    for short in (64, 128):
+        assert gemm_config(rows, 128, 2880, 2880, False, {"short_rows": short}, kernel="gluon_small").short_rows == short
+    for bad in (dict(short_rows=256), dict(short_rows=32), dict(block_rows=128, short_rows=64)):
+        with pytest.raises(ValueError, match="short_rows"):
+            gemm_config(rows // 4, 128, 2880, 2880, False, bad, kernel="gluon_small")
+    for E, H, I, stages1 in ((128, 2880, 2880, 5), (288, 4096, 1024, 4)):
+        g1 = gemm_config(rows, E, I, H, True, wide, gemm1=True)
+        g2 = gemm_config(rows, E, H, I, True, wide, gemm1=False)
+        for g, gemm1 in ((g1, True), (g2, False)):
+            assert g.wide and g.block_k == 64 and g.promote == 0 and not g.pair
+            assert wide_shared_bytes(g, gemm1, True) <= SHARED_MAX
+        assert (g1.num_stages, g2.num_stages) == (stages1, 4)
+    with pytest.raises(ValueError, match="shared memory"):
+        gemm_config(rows, 128, 2880, 2880, True, dict(wide, num_stages=9), gemm1=True)
+    with pytest.raises(ValueError, match="FP8 chains over all of K"):
+        gemm_config(rows, 128, 2880, 2880, True, dict(wide, promote=8), gemm1=True)
 
 
 def test_small_w4a16_tiles_split_their_k_loop_from_16_steps():

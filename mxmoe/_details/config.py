@@ -101,9 +101,6 @@ class GemmConfig:
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
                                     or self.block_k > 32 * self.wide_scale_bytes)
-        if self.wide and wide_shared_bytes(self, gemm1, fp8) > SHARED_MAX:
-            raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1, fp8)} bytes "
-                             f"of shared memory, more than {SHARED_MAX}")
         if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != (128 if fp8 else 64)
                                         and self.block_k != 64 or self.num_stages < 3):
             raise ValueError("the wide GEMM2 takes no pair, block_k=64 (W4A8 also 128), at least 3 stages and at least "
@@ -111,6 +108,9 @@ class GemmConfig:
         if gemm1 and wide_short:
             raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
                              "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
+        if self.wide and wide_shared_bytes(self, gemm1, fp8) > SHARED_MAX:
+            raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1, fp8)} bytes "
+                             f"of shared memory, more than {SHARED_MAX}")
         if n % self.block_m:  # (pair at N % 128 == 64: the last program's second block repeats its first, unstored)
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of block_m")
         group = 128 // self.block_k if self.scale_words else 1  # K steps per scale word
