@@ -514,6 +514,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         expert = expert_n
         n0 = n0_n
         w_row0 = w_row0_n
+        slot0 = slot0_n  # (W4A8's row scales)
         w_ptrs = w_ptrs_n
         a_ptrs = a_ptrs_n
         w_rows = w_rows_n
