@@ -400,7 +400,8 @@ def test_wide_short_tiles_and_w4a8_configs():
     rows = 8192 * 4
     wide = dict(kernel="gluon_small", block_rows=256, wide=True)
     for short in (64, 128):
-        assert gemm_config(rows, 128, 2880, 2880, False, {"short_rows": short}, kernel="gluon_small").short_rows == short
+        cfg = gemm_config(rows, 128, 2880, 2880, False, {"short_rows": short}, kernel="gluon_small")
+        assert cfg.wide and cfg.short_rows == short
     for bad in (dict(short_rows=256), dict(short_rows=32), dict(block_rows=128, short_rows=64)):
         with pytest.raises(ValueError, match="short_rows"):
             gemm_config(rows // 4, 128, 2880, 2880, False, bad, kernel="gluon_small")

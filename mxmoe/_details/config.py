@@ -109,8 +109,8 @@ class GemmConfig:
             raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
                              "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
         if self.wide and wide_shared_bytes(self, gemm1, fp8) > SHARED_MAX:
-            raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1, fp8)} bytes "
-                             f"of shared memory, more than {SHARED_MAX}")
+            raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1, fp8)} "
+                             f"bytes of shared memory, more than {SHARED_MAX}")
         if n % self.block_m:  # (pair at N % 128 == 64: the last program's second block repeats its first, unstored)
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of block_m")
         group = 128 // self.block_k if self.scale_words else 1  # K steps per scale word

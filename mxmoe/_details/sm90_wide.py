@@ -1,8 +1,11 @@
-"""The wide W4A16 Gluon kernel (``moe_gemm_wide_kernel``): prefill past ~132 routed rows per expert, 256-row
+"""The wide Gluon kernel (``moe_gemm_wide_kernel``): W4A16 prefill past ~132 routed rows per expert, 256-row
 route tiles on two warpgroups, one chain of 64 x 256 each, persistent (a program per SM walking the tiles); GEMM1
 the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2 64 output columns each
 (``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps. Any
 K and N multiple of 64 (gpt-oss's 2880: 16-bit scale loads; GEMM2's last block repeats a half).
+
+Behind ``config`` only (docs/perf-notes.md step 50): ``SHORT`` (a tile of at most that many rows runs its MMAs on
+them alone), 128-row tiles, and ``FP8`` (W4A8: E4M3 operands through each block's table, FP8 chains over all of K).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -269,12 +272,13 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
                U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr,
                FP8: gl.constexpr):
-    """Ring step ``c`` of one warpgroup of a wide W4A16 program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
-    its scale word ``cur_w``: the MMA of the codes loaded before (the next step's are loaded while it runs, if
-    ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both warpgroups' MMAs on it
-    completed: before this step's MMA went out, each would wait for the other's MMA before converting) with K step
-    ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The callers split their K loops so that these
-    conditions are mostly compile-time constants: a runtime test per step costs instructions in every step."""
+    """Ring step ``c`` of one warpgroup of a wide program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
+    its scale word ``cur_w``: the MMA (on the ring's first ``TB`` rows; ``FP8``: one per K32 block) of the codes loaded
+    before (the next step's are loaded while it runs, if ``load_next``), then, if ``refill``, the slot step c - 1 read
+    is refilled (once both warpgroups' MMAs on it completed: before this step's MMA went out, each would wait for the
+    other's MMA before converting) with K step ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The
+    callers split their K loops so that these conditions are mostly compile-time constants: a runtime test per step
+    costs instructions in every step."""
     NB: gl.constexpr = BK // 32
     s = c % S
     if FP8:  # each block's scale byte, its E4M3 table from it and the row's addends ``fac0`` (``_e4m3_addends``)
@@ -315,7 +319,8 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
 @gluon.jit
 def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
+                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr,
+                     FP8: gl.constexpr):
     """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
     tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
     the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
@@ -418,8 +423,8 @@ def _scale_load(ptrs):
 
 @gluon.jit
 def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                     tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols, staging,
-                     first, end, N, K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
+                     tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed, act, loaded, consumed, cols,
+                     staging, first, end, N, K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                      BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
                      U: gl.constexpr, SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr,
                      SHORT: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
@@ -613,13 +618,13 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
         staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
         gl.warp_specialize([
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
-                                loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
-                                NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 0)),
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
+                                act, loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 0)),
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
-                                loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM, BT, BK,
-                                NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 1)),
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
+                                act, loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 1)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -633,9 +638,10 @@ def moe_gemm_wide_kernel(
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
     REPEAT_LAST: gl.constexpr = False, SHORT: gl.constexpr = 0, FP8: gl.constexpr = False,
 ):
-    """The ``moe_gemm_kernel`` contract (W4A16) on wide route tiles (``BT`` = 256), persistent: a 1-D grid of at most
-    one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the gate and up rows of
-    32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2 launched with PDL):
+    """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; 128 and ``FP8`` by override), persistent: a
+    1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the
+    gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``SHORT``: a tile of at
+    most that many rows runs its MMAs on them alone (0: never). ``EARLY_WEIGHTS`` (GEMM2 launched with PDL):
     its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s). ``SCALE_BYTES``: the scale
     bytes per load, 4 (a word, K % 128 == 0) or 2 (K % 128 == 64: a row's bytes start 2-byte aligned). ``REPEAT_LAST``
     (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's rows, unstored. Arguments
