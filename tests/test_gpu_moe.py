@@ -398,7 +398,9 @@ def test_wide_tiles(kind, ids_dtype, T):
     steps, GEMM2 none); ``short_k_halves``: H = 448 and I = 192, the fewest with 16-bit scale loads (K % 128 == 64;
     GEMM2 none before its unrolled last steps);
     ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
-    hot experts on 128, uniform routes on 32. Against the exact reference and bitwise equal to the 128-row tiles."""
+    hot experts on 128, uniform routes on 32. Each tiling (also the wide kernels on 128-row tiles, short tiles of 64 and
+    128 rows, GEMM1's short tiles with GEMM2 on halves; NaN-filled intermediates) against the exact reference and
+    bitwise equal to the 128-row tiles."""
     import dataclasses
 
     from mxmoe._details import config
