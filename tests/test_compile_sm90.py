@@ -51,6 +51,7 @@ def test_every_kind_of_config_is_compiled(reports):
             and (r["config"]["pair"] or r["config"]["wide"])} == {True, False}
     # the wide kernels' short tiles; W4A8 on the wide kernels, both GEMMs, both scale-load sizes
     assert {r["gemm1"] for r in small if r["config"]["short_rows"]} == {True, False}
+    assert {r["gemm1"] for r in small if r["config"]["mma_lag"]} == {True, False}
     assert {(r["gemm1"], r["config"]["scale_words"]) for r in small if r["fp8"] and r["config"]["wide"]} == \
         {(g, w) for g in (True, False) for w in (True, False)}
     assert {r["config"]["scale_words"] for r in small} == {True, False}

@@ -399,8 +399,8 @@ def test_wide_tiles(kind, ids_dtype, T):
     GEMM2 none before its unrolled last steps);
     ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
     hot experts on 128, uniform routes on 32. Each tiling (also the wide kernels on 128-row tiles, short tiles of 64 and
-    128 rows, GEMM1's short tiles with GEMM2 on halves; NaN-filled intermediates) against the exact reference and
-    bitwise equal to the 128-row tiles."""
+    128 rows, GEMM1's short tiles with GEMM2 on halves, one MMA in flight per warpgroup; NaN-filled intermediates)
+    against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
     from mxmoe._details import config
@@ -430,8 +430,10 @@ def test_wide_tiles(kind, ids_dtype, T):
     wide1_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=5)
     wide2_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=4, pair=False)
     short64, short128 = dict(wide, short_rows=64), dict(wide, short_rows=128)
+    lag = dict(wide, mma_lag=True)  # one MMA in flight per warpgroup
     arms = ((wide, wide), (wide, halves), (narrow, narrow), (wide1_128, wide2_128), (short64, short64),
-            (short128, short128), (short64, halves), (dict(wide1_128, short_rows=64), dict(wide2_128, short_rows=64)))
+            (short128, short128), (short64, halves), (dict(wide1_128, short_rows=64), dict(wide2_128, short_rows=64)),
+            (lag, lag), (dict(lag, short_rows=64), halves))
     for gemm1, gemm2 in arms:
         with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides

@@ -55,6 +55,7 @@ class GemmConfig:
     wide: bool = False  # gluon_small W4A16 on 256-row route tiles, persistent, two warpgroups: GEMM1 the gate and up
     # rows of 32 output columns each (``_wide_gemm1``), GEMM2 64 output columns each (``_wide_gemm2``)
     short_rows: int = 0  # wide: a route tile of at most this many rows runs its MMAs on them alone (0: never)
+    mma_lag: bool = False  # wide: each warpgroup keeps one step's MMA in flight while it converts the next
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
     split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
     # then its last ones tested (``sm90_small._small_steps``)
@@ -95,6 +96,8 @@ class GemmConfig:
         if self.wide and not (self.block_rows in (128, 256) and self.k_split == 1 and self.k_parts == 1
                               and not self.promote):
             raise ValueError("wide takes 256- or 128-row tiles, no K split and FP8 chains over all of K")
+        if self.mma_lag and not (self.wide and not fp8):  # (W4A8's FP8 operands: ptxas serializes the MMAs)
+            raise ValueError("mma_lag is for W4A16 on the wide tiles")
         if self.short_rows and not (self.wide and self.short_rows in (64, 128) and self.short_rows < self.block_rows):
             raise ValueError("short_rows is for the wide tiles: 64 or 128, below block_rows")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
@@ -395,7 +398,7 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     chosen_bt = override.pop("block_rows", None)
     bt = chosen_bt or _small_tile_rows(rows, num_experts, n, k, fp8, gemm1)
     cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
-               k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1, short_rows=0)
+               k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1, short_rows=0, mma_lag=False)
     if bt == WIDE_ROWS or override.get("wide"):
         _wide_knobs(cfg, k, gemm1, fp8)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
@@ -509,6 +512,6 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool, n: int) -> 
     common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
                   REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and not gemm2_pair_fits(n))
     if cfg.wide:
-        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes, SHORT=cfg.short_rows)
+        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes, SHORT=cfg.short_rows, LAG=cfg.mma_lag)
     return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
                 SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)

@@ -233,7 +233,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     template at every ``rows`` (both precisions), the small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16
     on the wide tiles at the last, there also GEMM2 on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit
     output offsets without PDL, both wide GEMMs at H = I = 2880, GEMM2 there also in pairs on 128-row tiles, the wide
-    GEMMs' short tiles there, W4A8 on the wide GEMMs there and at this shape), and at
+    GEMMs' short tiles and one MMA in flight there, W4A8 on the wide GEMMs there and at this shape), and at
     its first
     rows also with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the
     decode K split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1
@@ -262,6 +262,8 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", small_rows[-2], False, dict(hidden=2880, intermediate=2880, gemm2_only=True), False)]
     # the wide kernels' short tiles (64 rows) at H = I = 2880; the wide kernels for W4A8 there and on this shape
     cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880, short_rows=64), False)]
+    # ... one MMA in flight per warpgroup there (``mma_lag``: the operand race check matters most)
+    cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880, mma_lag=True), False)]
     wide8 = dict(kernel="gluon_small", block_rows=256, wide=True)
     cases += [("gluon_small", small_rows[-1], True, dict(wide8, hidden=2880, intermediate=2880), False)]
     cases += [("gluon_small", small_rows[-1], True, wide8, False)]

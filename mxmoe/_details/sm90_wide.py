@@ -35,7 +35,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                      NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                     SHORT: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+                     SHORT: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
     ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
     ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
@@ -84,18 +84,19 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         short_n = _short_tile(sorted_routes_ptr, slot0_n, SHORT)
         tile_args = (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                     out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k,
-                     w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm,
-                     a_cols, N, K, top_k, limit, alpha)
+                     out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c,
+                     num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0,
+                     col0, sm, a_cols, N, K, top_k, limit, alpha)
         if SHORT == 0:
             codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
+                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, HALF)
         elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
             codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, SHORT, BK, S, OUT_I64, U, SB, FP8, HALF)
+                                                                        BM, SHORT, BK, S, OUT_I64, U, SB, FP8, LAG,
+                                                                        HALF)
         else:
             codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
+                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, HALF)
         c += num_k
         expert = expert_n
         n0 = n0_n
@@ -109,11 +110,12 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
 
 @gluon.jit
 def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                     out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k,
-                     w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm,
-                     a_cols, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c,
+                     num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0,
+                     col0, sm, a_cols, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                     OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+                     OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr,
+                     HALF: gl.constexpr):
     """One tile of ``_wide_gemm1_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
     BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
     ones, then the epilogue of its ``TB`` slots. Returns the codes loaded for the next step, the next scale load and
@@ -127,17 +129,19 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
     OL: gl.constexpr = _out_piece_layout(out_ptr.dtype.element_ty, C)  # [TB, C]: 16-B pieces
     acc = gl.zeros((BM, TB), gl.float32, MMA)
-    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
+    held = _no_operand(BM, BK, TB, FP8)  # (``LAG``: the previous step's operand)
+    codes, acc, held, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c,
                                          0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
-                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8)
+                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8, LAG)
     # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
     ok_n = routes_n >= 0
     a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
     w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
     w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
-    codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
+    codes, acc, held, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8)
+                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8, LAG)
+    acc = _retire_all(acc, held, FP8, BK // 32, LAG)
     # each row times its factor (``_row_factors``), then the gate and up rows apart
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
     acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows), FP8)[:, None]
@@ -207,6 +211,19 @@ def _stage_codes(packed_s, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, 
 
 
 @gluon.jit
+def _no_operand(BM: gl.constexpr, BK: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
+    """A register operand of the tile's MMA (N = ``TB``), zeros: the first step's "previous" (``LAG``)."""
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_small_mma_layout(TB, FP8), k_width=4 if FP8 else 2)
+    if FP8:
+        out = ()
+        for j in gl.static_range(BK // 32):
+            out = out + (gl.zeros([BM, 32], gl.uint8, DOT).to(gl.float8e4nv, bitcast=True), )
+        return out
+    else:
+        return gl.zeros([BM, BK], gl.bfloat16, DOT)
+
+
+@gluon.jit
 def _short_tile(sorted_routes_ptr, slot0, SHORT: gl.constexpr):
     """Whether the route tile from ``slot0`` holds at most ``SHORT`` rows (0: no short tiles). An expert's routes fill
     the first slots of its tiles, so the slot after the first SHORT is padding then: one load per tile."""
@@ -221,7 +238,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                SB: gl.constexpr, SHORT: gl.constexpr, FP8: gl.constexpr, HALF_REGS: gl.constexpr):
+                SB: gl.constexpr, SHORT: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, HALF_REGS: gl.constexpr):
     """GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
@@ -242,11 +259,11 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
                                 loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, 0)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, LAG, 0)),
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
                                 loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, 1)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, LAG, 1)),
         ], [4], [HALF_REGS])
 
 
@@ -268,10 +285,10 @@ def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl
 
 
 @gluon.jit
-def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
+def _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
                U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr,
-               FP8: gl.constexpr):
+               FP8: gl.constexpr, LAG: gl.constexpr):
     """Ring step ``c`` of one warpgroup of a wide program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
     its scale word ``cur_w``: the MMA (on the ring's first ``TB`` rows; ``FP8``: one per K32 block) of the codes loaded
     before (the next step's are loaded while it runs, if ``load_next``), then, if ``refill``, the slot step c - 1 read
@@ -301,8 +318,18 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
         ops = _e4m3_operands(cur, b, fac0[0], fac0[1], BM, BK, DOT)
         acc = _fp8_chain(ops, rows, acc, NB)
     else:
-        acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
-                            is_async=True)
+        ops = _bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0)
+        acc = warpgroup_mma(ops, rows.permute((1, 0)), acc, is_async=True)
+    if LAG:  # this step's MMA stays in flight: retire the previous step's (its operand ``held``), free its slot
+        acc, held = _retire_previous(acc, held, FP8, NB)
+        if c > 0:
+            mbarrier.arrive(consumed.index((c - 1) % S))
+        if refill:
+            if c > 0:
+                mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
+            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK,
+                         U, 0, True, HALF * a_ptrs.shape[0])
+        return codes, acc, ops
     if refill:
         if c > 0:
             mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
@@ -313,33 +340,88 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
         for j in gl.static_range(NB):
             _keep_alive(ops[j])
     mbarrier.arrive(consumed.index(s))
-    return codes, acc
+    return codes, acc, held
 
 
 @gluon.jit
-def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
+def _retire_previous(acc, held, FP8: gl.constexpr, NB: gl.constexpr):
+    """``LAG``: wait until one MMA (chain) is left in flight, the previous step's operand ``held`` live until then."""
+    if FP8:
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        for j in gl.static_range(NB):
+            _keep_alive(held[j])
+    else:
+        acc, held = warpgroup_mma_wait(1, deps=(acc, held))
+    return acc, held
+
+
+@gluon.jit
+def _retire_all(acc, held, FP8: gl.constexpr, NB: gl.constexpr, LAG: gl.constexpr):
+    """``LAG``: a tile's last MMA complete (its operand ``held`` live until then) before the epilogue; the slot it read
+    is freed by the next tile's first step (``_wide_step``)."""
+    if LAG:
+        if FP8:
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            for j in gl.static_range(NB):
+                _keep_alive(held[j])
+        else:
+            acc, held = warpgroup_mma_wait(0, deps=(acc, held))
+    return acc
+
+
+@gluon.jit
+def _wide_main_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
                      SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr,
-                     FP8: gl.constexpr):
+                     FP8: gl.constexpr, LAG: gl.constexpr):
     """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
     tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
     the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
-    for jg in range(jg0, jg1):
-        cur_w = nxt_w
-        nxt_w = _scale_load(w_rows + jg + 1)
-        for g in gl.static_range(G):
-            codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
-                                    w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
-                                    WL, DOT, TB, FP8)
-    return codes, acc, nxt_w
+    if LAG and G % 2 == 1:
+        # each step's operand in flight until the next step's wait: an even number of steps per loop iteration, so
+        # that the one it carries out is born after the one it carries in died (an odd one would be copied at the back
+        # edge while its MMA reads it); an odd group count runs one group first and waits for it
+        if (jg1 - jg0) % 2 == 1:
+            codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
+                                                   fac0, c0, jg0, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
+                                                   HALF, WL, DOT, TB, FP8, LAG, 1)
+            acc = _retire_all(acc, held, FP8, BK // 32, LAG)
+        for jg in range(jg0 + (jg1 - jg0) % 2, jg1, 2):
+            codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
+                                                   fac0, c0, jg, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
+                                                   HALF, WL, DOT, TB, FP8, LAG, 2)
+    else:
+        for jg in range(jg0, jg1):
+            codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
+                                                   fac0, c0, jg, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
+                                                   HALF, WL, DOT, TB, FP8, LAG, 1)
+    return codes, acc, held, nxt_w
 
 
 @gluon.jit
-def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
+def _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, jg, w_ptrs, a_ptrs, ok,
+                 row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
+                 HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr,
+                 LAG: gl.constexpr, NG: gl.constexpr):
+    """``NG`` scale-load groups from ``jg`` of ``_wide_main_steps``."""
+    G: gl.constexpr = SB // (BK // 32)
+    for q in gl.static_range(NG):
+        cur_w = nxt_w
+        nxt_w = _scale_load(w_rows + jg + q + 1)
+        for g in gl.static_range(G):
+            i = (jg + q) * G + g
+            codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c0 + i, g,
+                                          w_ptrs, a_ptrs, ok, i + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
+                                          WL, DOT, TB, FP8, LAG)
+    return codes, acc, held, nxt_w
+
+
+@gluon.jit
+def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                      S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                     DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
+                     DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr):
     """The last ``_wide_tail_groups`` scale-load groups of a wide tile's K loop, unrolled: which of their steps refill
     the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
     program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
@@ -355,35 +437,36 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
             c = c0 + num_k - TG * G + tg * G + g
             # the step it refills, from the tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
             if tg * G + g + S - 1 < TG * G:
-                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
-                                        a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
-                                        BK, S, U, HALF, WL, DOT, TB, FP8)
+                codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g,
+                                              w_ptrs, a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes,
+                                              True, True, BM, BK, S, U, HALF, WL, DOT, TB, FP8, LAG)
             elif tg * G + g + 1 < TG * G:
-                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
-                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
-                                        S, U, HALF, WL, DOT, TB, FP8)
+                codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g,
+                                              w_ptrs_n, a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True,
+                                              has_next, BM, BK, S, U, HALF, WL, DOT, TB, FP8, LAG)
             else:  # the tile's last step: the next tile's first codes
-                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
-                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
-                                        BK, S, U, HALF, WL, DOT, TB, FP8)
-    return codes, acc, nxt_w
+                codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g,
+                                              w_ptrs_n, a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes,
+                                              has_next, has_next, BM, BK, S, U, HALF, WL, DOT, TB, FP8, LAG)
+    return codes, acc, held, nxt_w
 
 
 @gluon.jit
-def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
+def _wide_k_loop(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                  S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                 DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
+                 DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
     Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
-    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
+    codes, acc, held, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0,
+                                               c0, 0,
                                          num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok, row_bytes, BM,
-                                         BK, S, U, SB, HALF, WL, DOT, TB, FP8)
-    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
+                                         BK, S, U, SB, HALF, WL, DOT, TB, FP8, LAG)
+    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
                             a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, SB,
-                            HALF, WL, DOT, TB, FP8)
+                            HALF, WL, DOT, TB, FP8, LAG)
 
 
 @gluon.constexpr_function
@@ -427,7 +510,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      staging, first, end, N, K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                      BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
                      U: gl.constexpr, SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr,
-                     SHORT: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+                     SHORT: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
@@ -509,11 +592,11 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
                      row_ref, bias, gs, e_routes, e_weights, e_scales, n0, n_tiles & 1, N)
         if SHORT == 0:
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, HALF)
         elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, SHORT, BK, S, OUT_I64, U, SB, FP8, HALF)
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, SHORT, BK, S, OUT_I64, U, SB, FP8, LAG, HALF)
         else:
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
+            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, HALF)
         c += num_k
         n_tiles += 1
         expert = expert_n
@@ -534,9 +617,8 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
 def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
                      row_ref, bias, gs, e_routes, e_weights, e_scales, n0, p, N, HAS_BIAS: gl.constexpr,
-                     BM: gl.constexpr,
-                     TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+                     BM: gl.constexpr, TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr,
+                     U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, HALF: gl.constexpr):
     """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
     BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
     ones, then the epilogue of its ``TB`` slots (routes and routing weights in ``cols`` at tile parity ``p``): row
@@ -552,9 +634,12 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
     ROWS: gl.constexpr = gl.SliceLayout(1, HM)
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [TB, BM]: 16-B pieces
     acc = gl.zeros((BM, TB), gl.float32, MMA)
-    codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c, num_k, w_ptrs,
+    held = _no_operand(BM, BK, TB, FP8)  # (``LAG``: the previous step's operand)
+    codes, acc, held, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c,
+                                           num_k, w_ptrs,
                                      a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, None, BM, BK, S,
-                                     U, SB, HALF, WL, DOT, TB, FP8)
+                                     U, SB, HALF, WL, DOT, TB, FP8, LAG)
+    acc = _retire_all(acc, held, FP8, BK // 32, LAG)
     cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
     cols.index(2 * p + 1).store(e_weights)
     if FP8:
@@ -594,7 +679,7 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
                 EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, SHORT: gl.constexpr, FP8: gl.constexpr,
-                HALF_REGS: gl.constexpr):
+                LAG: gl.constexpr, HALF_REGS: gl.constexpr):
     """GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
@@ -620,11 +705,11 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
                                 act, loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
-                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 0)),
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, LAG, 0)),
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
                                 act, loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
-                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, 1)),
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, LAG, 1)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -636,7 +721,7 @@ def moe_gemm_wide_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    REPEAT_LAST: gl.constexpr = False, SHORT: gl.constexpr = 0, FP8: gl.constexpr = False,
+    REPEAT_LAST: gl.constexpr = False, SHORT: gl.constexpr = 0, FP8: gl.constexpr = False, LAG: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; 128 and ``FP8`` by override), persistent: a
     1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the
@@ -661,9 +746,9 @@ def moe_gemm_wide_kernel(
         _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                     SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SHORT, FP8,
-                    SPLIT_REGS)
+                    LAG, SPLIT_REGS)
     else:
         _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE,
                     BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8,
-                    SPLIT_REGS)
+                    LAG, SPLIT_REGS)
