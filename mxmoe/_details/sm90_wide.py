@@ -141,7 +141,8 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     codes, acc, held, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
                                          a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8, LAG)
-    acc = _retire_all(acc, held, FP8, BK // 32, LAG)
+    if LAG:
+        acc, held = _wait_mmas(acc, held, 0, FP8, BK // 32)
     # each row times its factor (``_row_factors``), then the gate and up rows apart
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
     acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows), FP8)[:, None]
@@ -321,7 +322,7 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, 
         ops = _bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0)
         acc = warpgroup_mma(ops, rows.permute((1, 0)), acc, is_async=True)
     if LAG:  # this step's MMA stays in flight: retire the previous step's (its operand ``held``), free its slot
-        acc, held = _retire_previous(acc, held, FP8, NB)
+        acc, held = _wait_mmas(acc, held, 1, FP8, NB)
         if c > 0:
             mbarrier.arrive(consumed.index((c - 1) % S))
         if refill:
@@ -344,29 +345,17 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, 
 
 
 @gluon.jit
-def _retire_previous(acc, held, FP8: gl.constexpr, NB: gl.constexpr):
-    """``LAG``: wait until one MMA (chain) is left in flight, the previous step's operand ``held`` live until then."""
+def _wait_mmas(acc, held, PENDING: gl.constexpr, FP8: gl.constexpr, NB: gl.constexpr):
+    """``LAG``: wait until ``PENDING`` MMA chains are left in flight (1 in a step: the previous step's done; 0 at a
+    tile's end, before the epilogue, whose last slot the next tile's first step frees), the operand ``held`` of the
+    one retired live until then."""
     if FP8:
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        acc = warpgroup_mma_wait(PENDING, deps=(acc, ))
         for j in gl.static_range(NB):
             _keep_alive(held[j])
     else:
-        acc, held = warpgroup_mma_wait(1, deps=(acc, held))
+        acc, held = warpgroup_mma_wait(PENDING, deps=(acc, held))
     return acc, held
-
-
-@gluon.jit
-def _retire_all(acc, held, FP8: gl.constexpr, NB: gl.constexpr, LAG: gl.constexpr):
-    """``LAG``: a tile's last MMA complete (its operand ``held`` live until then) before the epilogue; the slot it read
-    is freed by the next tile's first step (``_wide_step``)."""
-    if LAG:
-        if FP8:
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            for j in gl.static_range(NB):
-                _keep_alive(held[j])
-        else:
-            acc, held = warpgroup_mma_wait(0, deps=(acc, held))
-    return acc
 
 
 @gluon.jit
@@ -386,7 +375,8 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nx
             codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
                                                    fac0, c0, jg0, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
                                                    HALF, WL, DOT, TB, FP8, LAG, 1)
-            acc = _retire_all(acc, held, FP8, BK // 32, LAG)
+            if LAG:
+                acc, held = _wait_mmas(acc, held, 0, FP8, BK // 32)
         for jg in range(jg0 + (jg1 - jg0) % 2, jg1, 2):
             codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
                                                    fac0, c0, jg, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
@@ -639,7 +629,8 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
                                            num_k, w_ptrs,
                                      a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, None, BM, BK, S,
                                      U, SB, HALF, WL, DOT, TB, FP8, LAG)
-    acc = _retire_all(acc, held, FP8, BK // 32, LAG)
+    if LAG:
+        acc, held = _wait_mmas(acc, held, 0, FP8, BK // 32)
     cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
     cols.index(2 * p + 1).store(e_weights)
     if FP8:
