@@ -85,6 +85,13 @@ def _weight_pointers(w_ptr, w_row0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl
     return w_ptrs, row_bytes
 
 
+@gluon.constexpr_function
+def _act_copy_layout(dtype, BK, num_warps):
+    """The gathered activation rows [rows, BK] in 16-B pieces per thread, a row's pieces across neighbouring lanes."""
+    epv = 128 // dtype.primitive_bitwidth  # elements per 16-B copy
+    return gl.BlockedLayout([1, epv], [32 // (BK // epv), BK // epv], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
                    GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, U: gl.constexpr,
@@ -96,9 +103,7 @@ def _copy_pointers(w_ptr, a_ptr, stride_a, routes_ptr, slot0, top_k, w_row0, K,
     (``prepare.to_row_blocks``; ``w_row0`` and the rows per expert are multiples of 64): a step's [64, BK/2]
     bytes are one contiguous piece where BK/2 >= U (``_issue_stage`` adds the step's offset). ``NH`` = 2: the
     packed rows of both halves ([2 BM, BK/2], the second ``half_rows`` rows after the first), for one copy."""
-    EPV: gl.constexpr = 128 // a_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-B copy
-    CPR: gl.constexpr = BK // EPV
-    AL: gl.constexpr = gl.BlockedLayout([1, EPV], [32 // CPR, CPR], [gl.num_warps(), 1], [1, 0])
+    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK, gl.num_warps())
     w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, half_rows, NH)
     slots = slot0 + gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
     routes = _tile_routes(routes_ptr, slots, BT, DIRECT)

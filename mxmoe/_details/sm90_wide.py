@@ -15,8 +15,8 @@ from .convert import FOLD_REF_MAX
 from .sm90_operands import (_bf16_operand, _e4m3_addends, _e4m3_operands, _fold_addend, _fp8_chain,
                             _fragment_bytes, _fragment_words, _fragment_words_layout, _keep_alive, _pow2,
                             _scale_word_factors, _scale_word_rows, _small_mma_layout)
-from .sm90_pipeline import (_copy_pointers, _epilogue_values, _issue_stage, _launch_dependents, _origin, _tile_origin,
-                            _wait_for_previous_kernel, _weight_pointers)
+from .sm90_pipeline import (_act_copy_layout, _copy_pointers, _epilogue_values, _issue_stage, _launch_dependents,
+                            _origin, _tile_origin, _wait_for_previous_kernel, _weight_pointers)
 
 
 @gluon.jit
@@ -55,7 +55,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     num_k = K // BK
     col0 = HALF * C
     sm = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, SC)), N, col0)
-    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK)
+    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK, 4)
     a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
     a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
     # the first tile: its copies, its first scale word
@@ -166,13 +166,6 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         out_ptrs = out_ptr + ((slot0 + offs_t)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :])
     gl.store(out_ptrs, tile_staging.load(OL))
     return codes, nxt_w, w_ptrs_n, a_ptrs_n, ok_n, w_rows_n
-
-
-@gluon.constexpr_function
-def _act_copy_layout(dtype, BK):
-    """The activation rows' copy layout of ``_copy_pointers`` (16-B pieces, [rows, BK])."""
-    epv = 128 // dtype.primitive_bitwidth
-    return gl.BlockedLayout([1, epv], [32 // (BK // epv), BK // epv], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -526,7 +519,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
 
     # activation rows: this warpgroup's half of the tile's slots, all of them (the MMA's columns are independent, and
     # a padding slot's output column is not stored): one offset tensor for every tile, 32-bit
-    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK)
+    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK, 4)
     a_off = ((HALF * R + gl.arange(0, R, layout=gl.SliceLayout(1, AL)))[:, None] * stride_a
              + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
     # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
