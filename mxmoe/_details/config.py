@@ -104,8 +104,8 @@ class GemmConfig:
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
                                     or self.block_k > 32 * self.wide_scale_bytes)
-        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != (128 if fp8 else 64)
-                                        and self.block_k != 64 or self.num_stages < 3):
+        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k not in ((64, 128) if fp8 else (64, ))
+                                        or self.num_stages < 3):
             raise ValueError("the wide GEMM2 takes no pair, block_k=64 (W4A8 also 128), at least 3 stages and at least "
                              "its unrolled last K steps")
         if gemm1 and wide_short:
