@@ -399,7 +399,8 @@ def test_wide_tiles(kind, ids_dtype, T):
     GEMM2 none before its unrolled last steps);
     ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
     hot experts on 128, uniform routes on 32. Each tiling (also the wide kernels on 128-row tiles, short tiles of 64 and
-    128 rows, GEMM1's short tiles with GEMM2 on halves, one MMA in flight per warpgroup; NaN-filled intermediates)
+    128 rows, GEMM1's short tiles with GEMM2 on halves, one MMA in flight per warpgroup, the copies on a loader
+    warpgroup; NaN-filled intermediates)
     against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
@@ -431,9 +432,12 @@ def test_wide_tiles(kind, ids_dtype, T):
     wide2_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=4, pair=False)
     short64, short128 = dict(wide, short_rows=64), dict(wide, short_rows=128)
     lag = dict(wide, mma_lag=True)  # one MMA in flight per warpgroup
+    loader = dict(wide, wide_loader=True)  # the copies on a third warpgroup
+    loader1_128, loader2_128 = (dict(c, wide_loader=True, maxnreg=0) for c in (wide1_128, wide2_128))
     arms = ((wide, wide), (wide, halves), (narrow, narrow), (wide1_128, wide2_128), (short64, short64),
             (short128, short128), (short64, halves), (dict(wide1_128, short_rows=64), dict(wide2_128, short_rows=64)),
-            (lag, lag), (dict(lag, short_rows=64), halves))
+            (lag, lag), (dict(lag, short_rows=64), halves), (loader, loader), (loader1_128, loader2_128),
+            (dict(loader, short_rows=64), halves))
     for gemm1, gemm2 in arms:
         with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
@@ -454,9 +458,10 @@ def test_wide_tiles(kind, ids_dtype, T):
                                               ("biases_and_global_scales", torch.int32, 700)])
 def test_wide_w4a8(kind, ids_dtype, T):
     """W4A8 on the wide kernels (set by overrides, so that these T take them): FP8 chains over all of K, each block's
-    scale folded into its E4M3 weights. SPEC §5's layer bounds (``check``) on 256-row tiles, with short tiles (64 rows)
-    and on 128-row tiles; the three bitwise equal (the same chain of MMAs per output). gpt-oss shapes with hot (120b)
-    and uniform (20b) routes, the reference shape with hot, masked routes, biases and per-expert global scales."""
+    scale folded into its E4M3 weights. SPEC §5's layer bounds (``check``) on 256-row tiles, with short tiles (64 rows),
+    on 128-row tiles and with the copies on a loader warpgroup; all bitwise equal (the same chain of MMAs per output).
+    gpt-oss shapes with hot (120b) and uniform (20b) routes, the reference shape with hot, masked routes, biases and
+    per-expert global scales."""
     import dataclasses
 
     from mxmoe._details import config
@@ -478,7 +483,7 @@ def test_wide_w4a8(kind, ids_dtype, T):
         ids, w = routing(T, top_k, E, kind=route_kind, ids_dtype=ids_dtype, seed=7)
     wide = dict(kernel="gluon_small", block_rows=config.WIDE_ROWS, wide=True)
     outs = []
-    for gemm in (wide, dict(wide, short_rows=64), dict(wide, block_rows=128)):
+    for gemm in (wide, dict(wide, short_rows=64), dict(wide, block_rows=128), dict(wide, wide_loader=True)):
         with config.overrides(gemm=gemm) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k, fp8=True)
             ws.intermediate.view(torch.uint8).fill_(255)  # (NaN: every row a GEMM reads must have been written)
