@@ -414,8 +414,12 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     elif not gemm1:
         _w4a16_gemm2(cfg, rows, n, k)
     cfg.update(override)
-    if cfg["wide_loader"] and "maxnreg" not in override:  # (the partitions' own budgets)
-        cfg["maxnreg"] = 0
+    if cfg["wide_loader"]:  # the partitions' own register budgets (W4A8's loader copies half the activation
+        # bytes; its converters spill at 224)
+        if "maxnreg" not in override:
+            cfg["maxnreg"] = 0
+        if fp8 and "loader_regs" not in override and "converter_regs" not in override:
+            cfg.update(loader_regs=40, converter_regs=232)
     if "split_loop" not in override:
         cfg["split_loop"] = _split_loop(cfg, k, fp8)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)

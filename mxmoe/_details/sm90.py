@@ -233,7 +233,8 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     template at every ``rows`` (both precisions), the small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16
     on the wide tiles at the last, there also GEMM2 on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit
     output offsets without PDL, both wide GEMMs at H = I = 2880, GEMM2 there also in pairs on 128-row tiles, the wide
-    GEMMs' short tiles and one MMA in flight there, W4A8 on the wide GEMMs there and at this shape), and at
+    GEMMs' short tiles, one MMA in flight and the loader warpgroup there, W4A8 on the wide GEMMs there and at this
+    shape), and at
     its first
     rows also with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the
     decode K split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1
@@ -267,6 +268,9 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     wide8 = dict(kernel="gluon_small", block_rows=256, wide=True)
     cases += [("gluon_small", small_rows[-1], True, dict(wide8, hidden=2880, intermediate=2880), False)]
     cases += [("gluon_small", small_rows[-1], True, wide8, False)]
+    # the copies on a loader warpgroup (``wide_loader``) there, W4A16 and W4A8
+    cases += [("gluon_small", small_rows[-1], fp8, dict(wide8, hidden=2880, intermediate=2880, wide_loader=True), False)
+              for fp8 in (False, True)]
     if unfolded:
         cases += [("gluon_small", r, True, dict(fold=False), False) for r in small_rows[:-1]]
     # the W4A8 prefill kernel: 64- and 128-row route tiles, the tests' 1024-K chains, gpt-oss's K tail (H = I = 2880)
