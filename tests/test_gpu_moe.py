@@ -398,10 +398,8 @@ def test_wide_tiles(kind, ids_dtype, T):
     steps, GEMM2 none); ``short_k_halves``: H = 448 and I = 192, the fewest with 16-bit scale loads (K % 128 == 64;
     GEMM2 none before its unrolled last steps);
     ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
-    hot experts on 128, uniform routes on 32. Each tiling (also the wide kernels on 128-row tiles, short tiles of 64 and
-    128 rows, GEMM1's short tiles with GEMM2 on halves, one MMA in flight per warpgroup, the copies on a loader
-    warpgroup; NaN-filled intermediates)
-    against the exact reference and bitwise equal to the 128-row tiles."""
+    hot experts on 128, uniform routes on 32. Each tiling (also the wide kernels on 128-row tiles; NaN-filled
+    intermediates) against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
     from mxmoe._details import config
@@ -427,27 +425,17 @@ def test_wide_tiles(kind, ids_dtype, T):
         ids, w = routing(T, top_k, E, kind=route_kind, ids_dtype=ids_dtype, seed=7)
     outs = []
     wide, halves, narrow = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2), dict(block_rows=128)
-    # the wide kernels on 128-row tiles; short tiles (their MMAs on their first 64 or 128 rows)
+    # the wide kernels on 128-row tiles
     wide1_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=5)
     wide2_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=4, pair=False)
-    short64, short128 = dict(wide, short_rows=64), dict(wide, short_rows=128)
-    lag = dict(wide, mma_lag=True)  # one MMA in flight per warpgroup
-    loader = dict(wide, wide_loader=True)  # the copies on a third warpgroup
-    loader1_128, loader2_128 = (dict(c, wide_loader=True, maxnreg=0) for c in (wide1_128, wide2_128))
-    arms = ((wide, wide), (wide, halves), (narrow, narrow), (wide1_128, wide2_128), (short64, short64),
-            (short128, short128), (short64, halves), (dict(wide1_128, short_rows=64), dict(wide2_128, short_rows=64)),
-            (lag, lag), (dict(lag, short_rows=64), halves), (loader, loader), (loader1_128, loader2_128),
-            (dict(loader, short_rows=64), halves))
+    arms = ((wide, wide), (wide, halves), (narrow, narrow), (wide1_128, wide2_128))
     for gemm1, gemm2 in arms:
         with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
-            # NaN in every intermediate row: a short GEMM1 tile writes its first rows only, and GEMM2 must not mix
-            # the others' into a stored column
-            ws.intermediate.view(torch.uint8).fill_(255)
+            ws.intermediate.view(torch.uint8).fill_(255)  # (NaN: every row a GEMM reads must have been written)
             g1 = config.gemm_config(T * top_k, E, I, H, False, changes.gemm1, kernel="gluon_small")
             g2 = config.gemm_config(T * top_k, E, H, I, False, changes.gemm2, kernel="gluon_small", gemm1=False)
             assert g1.wide is (gemm1 is not narrow) and g2.wide is (gemm2 not in (halves, narrow))
-            assert (g1.short_rows, g2.short_rows) == (gemm1.get("short_rows", 0), gemm2.get("short_rows", 0))
             outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -458,8 +446,8 @@ def test_wide_tiles(kind, ids_dtype, T):
                                               ("biases_and_global_scales", torch.int32, 700)])
 def test_wide_w4a8(kind, ids_dtype, T):
     """W4A8 on the wide kernels (set by overrides, so that these T take them): FP8 chains over all of K, each block's
-    scale folded into its E4M3 weights. SPEC §5's layer bounds (``check``) on 256-row tiles, with short tiles (64 rows),
-    on 128-row tiles and with the copies on a loader warpgroup; all bitwise equal (the same chain of MMAs per output).
+    scale folded into its E4M3 weights. SPEC §5's layer bounds (``check``) on 256-row tiles and on 128-row tiles,
+    bitwise equal (the same chain of MMAs per output).
     gpt-oss shapes with hot (120b) and uniform (20b) routes, the reference shape with hot, masked routes, biases and
     per-expert global scales."""
     import dataclasses
@@ -483,7 +471,7 @@ def test_wide_w4a8(kind, ids_dtype, T):
         ids, w = routing(T, top_k, E, kind=route_kind, ids_dtype=ids_dtype, seed=7)
     wide = dict(kernel="gluon_small", block_rows=config.WIDE_ROWS, wide=True)
     outs = []
-    for gemm in (wide, dict(wide, short_rows=64), dict(wide, block_rows=128), dict(wide, wide_loader=True)):
+    for gemm in (wide, dict(wide, block_rows=128)):
         with config.overrides(gemm=gemm) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k, fp8=True)
             ws.intermediate.view(torch.uint8).fill_(255)  # (NaN: every row a GEMM reads must have been written)

@@ -44,8 +44,8 @@ class GemmConfig:
     kernel: str = "triton"  # gemm.moe_gemm_kernel; sm90 Gluon: "gluon_small",
     # "gluon_ws8" (sm90_ws8.moe_gemm_ws8_kernel: W4A8 prefill, producer + two consumer warpgroups)
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
-    loader_regs: int = 64  # "gluon_ws8" and wide_loader: the producer's and each consumer warpgroup's registers per
-    converter_regs: int = 224  # thread (128 x 64 + 2 x 128 x 224 = 64 K)
+    loader_regs: int = 64  # "gluon_ws8": the producer's and each consumer warpgroup's registers per thread
+    converter_regs: int = 224  # (128 x 64 + 2 x 128 x 224 = 64 K)
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0);
     # the wide tiles without it: 16-bit loads (K % 128 == 64, gpt-oss's 2880)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
@@ -54,10 +54,6 @@ class GemmConfig:
     # that fill the SMs unevenly)
     wide: bool = False  # gluon_small W4A16 on 256-row route tiles, persistent, two warpgroups: GEMM1 the gate and up
     # rows of 32 output columns each (``_wide_gemm1``), GEMM2 64 output columns each (``_wide_gemm2``)
-    short_rows: int = 0  # wide: a route tile of at most this many rows runs its MMAs on them alone (0: never)
-    mma_lag: bool = False  # wide: each warpgroup keeps one step's MMA in flight while it converts the next
-    wide_loader: bool = False  # wide: a third warpgroup (loader_regs) issues every copy, the two MMA warpgroups
-    # (converter_regs each) only convert and multiply; the launch's maxnreg stays 0
     sub_tiles: int = 1  # gluon_small GEMM2 on a pack of sub_tiles * block_rows-row tiles (the wide GEMM1's)
     split_loop: bool = False  # gluon_small W4A16 (not wide): the K loop's steps that refill within the program untested,
     # then its last ones tested (``sm90_small._small_steps``)
@@ -98,14 +94,6 @@ class GemmConfig:
         if self.wide and not (self.block_rows in (128, 256) and self.k_split == 1 and self.k_parts == 1
                               and not self.promote):
             raise ValueError("wide takes 256- or 128-row tiles, no K split and FP8 chains over all of K")
-        if self.mma_lag and not (self.wide and not fp8):  # (W4A8's FP8 operands: ptxas serializes the MMAs)
-            raise ValueError("mma_lag is for W4A16 on the wide tiles")
-        if self.wide_loader and not (self.wide and self.maxnreg == 0 and not self.mma_lag
-                                     and 128 * self.loader_regs + 256 * self.converter_regs <= 65536):
-            raise ValueError("wide_loader is for the wide tiles without mma_lag (ptxas serializes its MMAs), with "
-                             "maxnreg 0 and at most 64 K registers in loader_regs and 2 x converter_regs")
-        if self.short_rows and not (self.wide and self.short_rows in (64, 128) and self.short_rows < self.block_rows):
-            raise ValueError("short_rows is for the wide tiles: 64 or 128, below block_rows")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
@@ -404,8 +392,7 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     chosen_bt = override.pop("block_rows", None)
     bt = chosen_bt or _small_tile_rows(rows, num_experts, n, k, fp8, gemm1)
     cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
-               k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1, short_rows=0, mma_lag=False,
-               wide_loader=False)
+               k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
     if bt == WIDE_ROWS or override.get("wide"):
         _wide_knobs(cfg, k, gemm1, fp8)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
@@ -414,12 +401,6 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     elif not gemm1:
         _w4a16_gemm2(cfg, rows, n, k)
     cfg.update(override)
-    if cfg["wide_loader"]:  # the partitions' own register budgets (W4A8's loader copies half the activation
-        # bytes; its converters spill at 224)
-        if "maxnreg" not in override:
-            cfg["maxnreg"] = 0
-        if fp8 and "loader_regs" not in override and "converter_regs" not in override:
-            cfg.update(loader_regs=40, converter_regs=232)
     if "split_loop" not in override:
         cfg["split_loop"] = _split_loop(cfg, k, fp8)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
@@ -522,11 +503,9 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool, n: int) -> 
     with PDL, GEMM2 copies its first weight stages before it waits for GEMM1. ``REPEAT_LAST``: GEMM2 on two 64-row
     blocks per program (``pair``, the wide tiles) at N % 128 == 64, whose last program's second block repeats its
     first (a constexpr: N % 128 == 0 compiles as before)."""
-    common = dict(SPLIT_REGS=cfg.converter_regs if cfg.wide_loader else cfg.maxnreg or 128,
-                  EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
+    common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
                   REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and not gemm2_pair_fits(n))
     if cfg.wide:
-        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes, SHORT=cfg.short_rows, LAG=cfg.mma_lag,
-                    LOADER=cfg.wide_loader, LOADER_REGS=cfg.loader_regs)
+        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes)
     return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
                 SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)

@@ -232,14 +232,11 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     """``(name, gemm1, fp8, cfg, compile_kw)`` for the configs ``gemm_config`` picks on a shape (both GEMMs): the plain
     template at every ``rows`` (both precisions), the small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16
     on the wide tiles at the last, there also GEMM2 on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit
-    output offsets without PDL, both wide GEMMs at H = I = 2880, GEMM2 there also in pairs on 128-row tiles, the wide
-    GEMMs' short tiles, one MMA in flight and the loader warpgroup there, W4A8 on the wide GEMMs there and at this
-    shape), and at
-    its first
-    rows also with per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the
-    decode K split (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1
-    with its K steps over two programs (``k_parts``). ``unfolded``: also W4A8's exact unfolded kernel at every small
-    rows. ``name`` says the case, not the config, so that a restructure can be compared case by case."""
+    output offsets without PDL, both wide GEMMs at H = I = 2880, GEMM2 there also in pairs on 128-row tiles, W4A8 on
+    the wide GEMMs there and at this shape), and at its first rows also with per-step scale-byte loads (the form for
+    K % 128 != 0), W4A16 with one K32 block per step, with the decode K split (two warpgroups) and, W4A16, without a
+    route pack (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``).
+    ``unfolded``: also W4A8's exact unfolded kernel at every small rows. ``name`` says the case, not the config, so that a restructure can be compared case by case."""
     from .config import gemm_config, unfolded_config
 
     cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)),
@@ -261,16 +258,10 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880), False)]
     # ... and GEMM2 in pairs on 128-row tiles there (the last pair's second block a repeat)
     cases += [("gluon_small", small_rows[-2], False, dict(hidden=2880, intermediate=2880, gemm2_only=True), False)]
-    # the wide kernels' short tiles (64 rows) at H = I = 2880; the wide kernels for W4A8 there and on this shape
-    cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880, short_rows=64), False)]
-    # ... one MMA in flight per warpgroup there (``mma_lag``: the operand race check matters most)
-    cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880, mma_lag=True), False)]
+    # the wide kernels for W4A8 there and on this shape
     wide8 = dict(kernel="gluon_small", block_rows=256, wide=True)
     cases += [("gluon_small", small_rows[-1], True, dict(wide8, hidden=2880, intermediate=2880), False)]
     cases += [("gluon_small", small_rows[-1], True, wide8, False)]
-    # the copies on a loader warpgroup (``wide_loader``) there, W4A16 and W4A8
-    cases += [("gluon_small", small_rows[-1], fp8, dict(wide8, hidden=2880, intermediate=2880, wide_loader=True), False)
-              for fp8 in (False, True)]
     if unfolded:
         cases += [("gluon_small", r, True, dict(fold=False), False) for r in small_rows[:-1]]
     # the W4A8 prefill kernel: 64- and 128-row route tiles, the tests' 1024-K chains, gpt-oss's K tail (H = I = 2880)

@@ -4,8 +4,8 @@ the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2
 (``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps. Any
 K and N multiple of 64 (gpt-oss's 2880: 16-bit scale loads; GEMM2's last block repeats a half).
 
-Behind ``config`` only (docs/perf-notes.md step 50): ``SHORT`` (a tile of at most that many rows runs its MMAs on
-them alone), 128-row tiles, and ``FP8`` (W4A8: E4M3 operands through each block's table, FP8 chains over all of K).
+Behind ``config`` only (docs/perf-notes.md steps 50-51): 128-row tiles, and ``FP8`` (W4A8: E4M3 operands through each
+block's table, FP8 chains over all of K).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,8 +35,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                      NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                     SHORT: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr,
-                     HALF: gl.constexpr):
+                     FP8: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
     ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
     ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
@@ -59,11 +58,13 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK, 4)
     a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
     a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
-    # the first tile: its copies (``LOADER``: the loader's; no copy pointers here), its first scale word
+    # the first tile: its copies, its first scale word
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, BT)
-    w_ptrs, a_ptrs, ok, row_bytes = _gemm1_first_copies(a_ptr, stride_a, w_ptr, sorted_routes_ptr, packed, act,
-                                                        loaded, slot0 + HALF * R, top_k, w_row0, K, col0, N, BM, R, BK,
-                                                        S, U, LOADER, HALF)
+    _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
+                                              w_row0, K, True, BM, R, BK, U)
+    w_ptrs = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, col0)[0]
+    for j in gl.static_range(S - 1):
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
     nxt_w = _scale_load(w_rows)
     fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
@@ -71,7 +72,6 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     mbarrier.wait(loaded.index(0), 0)
     codes = _stage_codes(packed.index(0), BM, BK, U, WL, FP8)
     c = 0  # ring steps so far
-    short = _short_tile(sorted_routes_ptr, slot0, SHORT)
     for tile in range(first, end, stride):
         # the next tile (the grid's last tile again where there is none): copy pointers, scale rows, row references;
         # the expert of the one after it
@@ -79,61 +79,22 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         nt = gl.minimum(tile + stride, end - 1)
         expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 2, BM, BT)
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
-        routes_n = _own_copy_routes(sorted_routes_ptr + slot0_n + HALF * R + a_rows, LOADER)  # (copy pointers: in the
-        # tail)
+        routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
-        short_n = _short_tile(sorted_routes_ptr, slot0_n, SHORT)
         tile_args = (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                      out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c,
                      num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0,
                      col0, sm, a_cols, N, K, top_k, limit, alpha)
-        if SHORT == 0:
-            codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, LOADER,
-                                                                        HALF)
-        elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
-            codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, SHORT, BK, S, OUT_I64, U, SB, FP8, LAG,
-                                                                        LOADER, HALF)
-        else:
-            codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE,
-                                                                        BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, LOADER,
-                                                                        HALF)
+        codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM,
+                                                                    BT, BK, S, OUT_I64, U, SB, FP8, HALF)
         c += num_k
         expert = expert_n
         n0 = n0_n
         w_row0 = w_row0_n
         slot0 = slot0_n
-        short = short_n
         fac0 = _row_addends(ref_n, FP8)
         expert_n = expert_nn
     return ()
-
-
-@gluon.jit
-def _gemm1_first_copies(a_ptr, stride_a, w_ptr, sorted_routes_ptr, packed, act, loaded, slot0, top_k, w_row0, K, col0,
-                        N, BM: gl.constexpr, R: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
-                        LOADER: gl.constexpr, HALF: gl.constexpr):
-    """A wide GEMM1 warpgroup's first S - 1 stages of copies and its copy pointers (``_copy_pointers``: weights,
-    activations, rows holding a route, the row stride); none with ``LOADER`` (the loader's copies)."""
-    if LOADER:  # (placeholders)
-        return 0, 0, 0, 0
-    else:
-        _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0, top_k, w_row0, K,
-                                                  True, BM, R, BK, U)
-        w_ptrs = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, col0)[0]
-        for j in gl.static_range(S - 1):
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
-        return w_ptrs, a_ptrs, ok, row_bytes
-
-
-@gluon.jit
-def _own_copy_routes(ptrs, LOADER: gl.constexpr):
-    """The routes a warpgroup's own copies gather (``ptrs``: of its slots); a placeholder with ``LOADER``."""
-    if LOADER:
-        return 0
-    else:
-        return gl.load(ptrs)
 
 
 @gluon.jit
@@ -141,55 +102,48 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c,
                      num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0,
                      col0, sm, a_cols, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     HAS_GSCALE: gl.constexpr, BM: gl.constexpr, TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                     OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr,
-                     LOADER: gl.constexpr, HALF: gl.constexpr):
-    """One tile of ``_wide_gemm1_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
-    BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
-    ones, then the epilogue of its ``TB`` slots. Returns the codes loaded for the next step, the next scale load and
-    the next tile's copy pointers and scale rows."""
+                     HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
+                     OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr,
+                     HALF: gl.constexpr):
+    """One tile of ``_wide_gemm1_half`` from ring step ``c``: its K loop, whose last steps refill the ring with the next
+    tile's first ones, then the epilogue of its ``BT`` slots. Returns the codes loaded for the next step, the next scale
+    load and the next tile's copy pointers and scale rows."""
     C: gl.constexpr = BM // 2  # output columns
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
-    MMA: gl.constexpr = _small_mma_layout(TB, FP8)
+    MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
     HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
-    OL: gl.constexpr = _out_piece_layout(out_ptr.dtype.element_ty, C)  # [TB, C]: 16-B pieces
-    acc = gl.zeros((BM, TB), gl.float32, MMA)
-    held = _no_operand(BM, BK, TB, FP8)  # (``LAG``: the previous step's operand)
-    codes, acc, held, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c,
+    OL: gl.constexpr = _out_piece_layout(out_ptr.dtype.element_ty, C)  # [BT, C]: 16-B pieces
+    acc = gl.zeros((BM, BT), gl.float32, MMA)
+    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
-                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8, LAG, LOADER)
-    # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill; none
-    # where the loader copies)
-    ok_n, a_ptrs_n, w_ptrs_n = 0, 0, 0  # (placeholders)
-    if not LOADER:
-        ok_n = routes_n >= 0
-        a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
-        w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
+                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, FP8)
+    # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
+    ok_n = routes_n >= 0
+    a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
+    w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
     w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
-    codes, acc, held, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c,
+    codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, TB, FP8, LAG, LOADER)
-    if LAG:
-        acc, held = _wait_mmas(acc, held, 0, FP8, BK // 32)
+                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, FP8)
     # each row times its factor (``_row_factors``), then the gate and up rows apart
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
     acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows), FP8)[:, None]
-    g, u = acc.reshape([BM // 16, 2, 8, TB]).permute((0, 2, 3, 1)).split()
-    g = gl.convert_layout(g.reshape([C, TB]), HL, assert_trivial=True)
-    u = gl.convert_layout(u.reshape([C, TB]), HL, assert_trivial=True)
+    g, u = acc.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
+    g = gl.convert_layout(g.reshape([C, BT]), HL, assert_trivial=True)
+    u = gl.convert_layout(u.reshape([C, BT]), HL, assert_trivial=True)
     # the activation of every slot (W4A16: a padding slot's row too, no routes to read; W4A8: its row's scale, zero
-    # for padding) into ``staging`` [TB, C], then whole 16-B pieces of its rows to the output (from the accumulator
+    # for padding) into ``staging`` [BT, C], then whole 16-B pieces of its rows to the output (from the accumulator
     # layout: one store per value)
     y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                                    sorted_routes_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
                                                    top_k, limit, alpha, True, SWIGLUOAI, FP8, HAS_BIAS,
-                                                   HAS_GSCALE, C, TB, HL, False, not FP8)
-    tile_staging = staging.slice(0, TB)
+                                                   HAS_GSCALE, C, BT, HL, False, not FP8)
+    tile_staging = staging.slice(0, BT)
     tile_staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
-    offs_t = gl.arange(0, TB, layout=gl.SliceLayout(1, OL))
+    offs_t = gl.arange(0, BT, layout=gl.SliceLayout(1, OL))
     offs_o = gl.arange(0, C, layout=gl.SliceLayout(0, OL))
     if OUT_I64:
         out_ptrs = out_ptr + (slot0 + offs_t).to(gl.int64)[:, None] * stride_out + (n0 + col0 + offs_o)[None, :]
@@ -236,90 +190,44 @@ def _stage_codes(packed_s, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, 
 
 
 @gluon.jit
-def _no_operand(BM: gl.constexpr, BK: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr):
-    """A register operand of the tile's MMA (N = ``TB``), zeros: the first step's "previous" (``LAG``)."""
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_small_mma_layout(TB, FP8), k_width=4 if FP8 else 2)
-    if FP8:
-        out = ()
-        for j in gl.static_range(BK // 32):
-            out = out + (gl.zeros([BM, 32], gl.uint8, DOT).to(gl.float8e4nv, bitcast=True), )
-        return out
-    else:
-        return gl.zeros([BM, BK], gl.bfloat16, DOT)
-
-
-@gluon.jit
-def _short_tile(sorted_routes_ptr, slot0, SHORT: gl.constexpr):
-    """Whether the route tile from ``slot0`` holds at most ``SHORT`` rows (0: no short tiles). An expert's routes fill
-    the first slots of its tiles, so the slot after the first SHORT is padding then: one load per tile."""
-    if SHORT > 0:
-        return gl.load(sorted_routes_ptr + slot0 + SHORT) < 0
-    else:
-        return False
-
-
-@gluon.jit
 def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                SB: gl.constexpr, SHORT: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr,
-                HALF_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                SB: gl.constexpr, FP8: gl.constexpr, HALF_REGS: gl.constexpr):
     """GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
     converting while the other's MMA runs: half the conversion per MMA of the 128-row tiles' two chains of 64 x 128.
     They share the activation ring, each copying half of its rows; a slot is refilled once both warpgroups' MMAs on
     it completed (``consumed``), after this step's MMA went out (before it, each would wait for the other's MMA
-    before converting). One program per SM: a program per tile would idle the SM through each tile's first loads.
-    ``LOADER``: a third partition (``_wide_loader``) issues every copy instead."""
+    before converting). One program per SM: a program per tile would idle the SM through each tile's first loads."""
     gl.static_assert(BT == 256 or BT == 128)
     first = gl.program_id(0)
     end = (N // BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: the kernel waited for it)
     if first < end:
-        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES, LOADER)
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
         # each warpgroup's BF16 results of a tile [BT, BM/2], stored from here in 16-B pieces of rows
         OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM // 2], out_ptr.dtype.element_ty)
         staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM // 2], OUT_SL)
         staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM // 2], OUT_SL)
-        # (each partition's arguments written out: a tuple built apart loses its constexprs)
-        if LOADER:
-            gl.warp_specialize([
-                (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
-                                    act, loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI,
-                                    HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, LAG,
-                                    LOADER, 0)),
-                (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
-                                    act, loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI,
-                                    HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, LAG,
-                                    LOADER, 1)),
-                (_wide_loader, (a_ptr, stride_a, w_ptr, sorted_routes_ptr, tile_expert_ptr, packed_0, packed_1, act,
-                                loaded, consumed, first, end, N, K, top_k, True, BM, BT, BK, NUM_STAGES, U, False,
-                                False)),
-            ], [4, 4], [HALF_REGS, LOADER_REGS])
-        else:
-            gl.warp_specialize([
-                (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
-                                    act, loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI,
-                                    HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, LAG,
-                                    LOADER, 0)),
-                (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
-                                    act, loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI,
-                                    HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, SHORT, FP8, LAG,
-                                    LOADER, 1)),
-            ], [4], [HALF_REGS])
+        gl.warp_specialize([
+            (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
+                                loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 0)),
+            (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
+                                loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 1)),
+        ], [4], [HALF_REGS])
 
 
 @gluon.jit
-def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-               LOADER: gl.constexpr):
+def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The ``cp.async`` ring of a wide tile's two warpgroups: the shared activation rows, each warpgroup's packed
-    weights, ``loaded`` (every thread of both arrives; ``LOADER``: of the loader) and ``consumed`` (both warpgroups'
-    MMAs on the slot completed)."""
+    weights, ``loaded`` (every thread of both arrives) and ``consumed`` (both warpgroups' MMAs on the slot
+    completed)."""
     act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
                                     gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
     packed_0 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -327,85 +235,17 @@ def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     consumed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_STAGES):
-        mbarrier.init(loaded.index(j), count=32 * 4 if LOADER else 2 * 32 * 4)
+        mbarrier.init(loaded.index(j), count=2 * 32 * 4)
         mbarrier.init(consumed.index(j), count=2)
     return act, packed_0, packed_1, loaded, consumed
 
 
 @gluon.jit
-def _wide_loader(a_ptr, stride_a, w_ptr, sorted_routes_ptr, tile_expert_ptr, packed_0, packed_1, act, loaded, consumed,
-                 first, end, N, K, top_k, GEMM1: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                 S: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr):
-    """``LOADER``: the copy partition of the wide kernels (one warpgroup, few registers). Every K step of every tile
-    the program walks, in the halves' order, into the ring: each warpgroup's packed weight rows (``_loader_weights``)
-    and all BT activation rows (GEMM1 each route's token row, none for padding; GEMM2 the slots themselves). A slot is
-    refilled once both warpgroups released it (``consumed``); every thread arrives on its ``loaded`` once its copies
-    landed. ``EARLY_WEIGHTS`` (GEMM2 with PDL): the first tile's first S - 1 weight stages before the wait for GEMM1."""
-    stride = gl.num_programs(0)
-    num_k = K // BK
-    row_bytes = (K // 32) * 16  # (as ``_weight_pointers``)
-    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK, gl.num_warps())
-    a_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, AL))
-    a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
-    if GEMM1:
-        n_blocks = N // BM
-    else:
-        n_blocks = _column_blocks(N, 2 * BM, REPEAT_LAST)
-    if EARLY_WEIGHTS:
-        w0, w1, _ = _loader_weights(w_ptr, tile_expert_ptr, first, n_blocks, N, K, GEMM1, BM, BT, BK, U, REPEAT_LAST)
-        for j in gl.static_range(S - 1):
-            _issue_stage(packed_0, act, loaded, w0, None, None, 0, row_bytes, j, j, 1, BK, U, 1, True)
-            _issue_stage(packed_1, act, loaded, w1, None, None, 0, row_bytes, j, j, 1, BK, U, 1, True)
-    _wait_for_previous_kernel()  # (the route pack and the activations: the previous kernels')
-    c = 0  # ring steps so far
-    for tile in range(first, end, stride):
-        w0, w1, slot0 = _loader_weights(w_ptr, tile_expert_ptr, tile, n_blocks, N, K, GEMM1, BM, BT, BK, U,
-                                        REPEAT_LAST)
-        if GEMM1:
-            routes = gl.load(sorted_routes_ptr + slot0 + a_rows)
-            ok = routes >= 0
-            a_ptrs = a_ptr + gl.where(ok, routes // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
-        else:  # (a slot of its own, written or not)
-            ok = None
-            a_ptrs = a_ptr + (slot0 + a_rows).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
-        for i in range(num_k):
-            s = c % S
-            mbarrier.wait(consumed.index(s), ((c // S) & 1) ^ 1)
-            if EARLY_WEIGHTS:
-                if c >= S - 1:
-                    _issue_stage(packed_0, act, loaded, w0, None, None, 0, row_bytes, s, i, 1, BK, U, 1, True)
-                    _issue_stage(packed_1, act, loaded, w1, None, None, 0, row_bytes, s, i, 1, BK, U, 1, True)
-            else:
-                _issue_stage(packed_0, act, loaded, w0, None, None, 0, row_bytes, s, i, 1, BK, U, 1, True)
-                _issue_stage(packed_1, act, loaded, w1, None, None, 0, row_bytes, s, i, 1, BK, U, 1, True)
-            _issue_stage(packed_1, act, loaded, None, a_ptrs, ok, 0, row_bytes, s, i, 1, BK, U, 2, True)
-            c += 1
-
-
-@gluon.jit
-def _loader_weights(w_ptr, tile_expert_ptr, tile, n_blocks, N, K, GEMM1: gl.constexpr, BM: gl.constexpr,
-                    BT: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, REPEAT_LAST: gl.constexpr):
-    """``_wide_loader``: the weight copy pointers of ``tile``'s two warpgroups (as each half makes its own: GEMM1 the
-    gate and up rows of output columns 0.. and BM/2.. of the tile, GEMM2 its BM rows and the next BM) and the tile's
-    first slot."""
-    if GEMM1:
-        _, _, w_row0, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 2, BM, BT)
-        w0 = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, 0)[0]
-        w1 = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, BM // 2)[0]
-    else:
-        _, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, 2 * BM, BT)
-        w0 = _weight_pointers(w_ptr, w_row0 + _second_half(0, BM, N, n0, REPEAT_LAST), K, BM, BK, U)[0]
-        w1 = _weight_pointers(w_ptr, w_row0 + _second_half(1, BM, N, n0, REPEAT_LAST), K, BM, BK, U)[0]
-    return w0, w1, slot0
-
-
-@gluon.jit
-def _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
+def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr,
-               FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr):
+               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, FP8: gl.constexpr):
     """Ring step ``c`` of one warpgroup of a wide program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
-    its scale word ``cur_w``: the MMA (on the ring's first ``TB`` rows; ``FP8``: one per K32 block) of the codes loaded
+    its scale word ``cur_w``: the MMA (``FP8``: one per K32 block) of the codes loaded
     before (the next step's are loaded while it runs, if ``load_next``), then, if ``refill``, the slot step c - 1 read
     is refilled (once both warpgroups' MMAs on it completed: before this step's MMA went out, each would wait for the
     other's MMA before converting) with K step ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The
@@ -427,112 +267,49 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, 
         else:
             codes = _fragment_words(packed.index(t), BM, BK, WL)
     rows = act.index(s)
-    if TB < rows.shape[0]:  # a short tile (``_short_tile``): the MMA's N is its first TB rows
-        rows = rows.slice(0, TB)
     if FP8:  # one FP8 wgmma per K32 block, chained
         ops = _e4m3_operands(cur, b, fac0[0], fac0[1], BM, BK, DOT)
         acc = _fp8_chain(ops, rows, acc, NB)
     else:
         ops = _bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0)
         acc = warpgroup_mma(ops, rows.permute((1, 0)), acc, is_async=True)
-    if LAG:  # this step's MMA stays in flight: retire the previous step's (its operand ``held``), free its slot
-        acc, held = _wait_mmas(acc, held, 1, FP8, NB)
+    if refill:
         if c > 0:
-            mbarrier.arrive(consumed.index((c - 1) % S))
-        _refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, row_bytes, c, refill_step, refill, BK, S, U, HALF,
-                LOADER)
-        return codes, acc, ops
-    _refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, row_bytes, c, refill_step, refill, BK, S, U, HALF,
-                LOADER)
+            mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK, U, 0,
+                     True, HALF * a_ptrs.shape[0])
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     if FP8:  # (the FP8 operands' registers live until the MMAs read them: ``_keep_alive``)
         for j in gl.static_range(NB):
             _keep_alive(ops[j])
     mbarrier.arrive(consumed.index(s))
-    return codes, acc, held
+    return codes, acc
 
 
 @gluon.jit
-def _refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, row_bytes, c, refill_step, refill, BK: gl.constexpr,
-            S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, LOADER: gl.constexpr):
-    """``_wide_step``'s refill (if ``refill``): the slot step c - 1 read, once both warpgroups' MMAs on it completed,
-    with K step ``refill_step``. Nothing where the loader partition copies (``LOADER``)."""
-    if not LOADER:
-        if refill:
-            if c > 0:
-                mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK,
-                         U, 0, True, HALF * a_ptrs.shape[0])
-
-
-@gluon.jit
-def _wait_mmas(acc, held, PENDING: gl.constexpr, FP8: gl.constexpr, NB: gl.constexpr):
-    """``LAG``: wait until ``PENDING`` MMA chains are left in flight (1 in a step: the previous step's done; 0 at a
-    tile's end, before the epilogue, whose last slot the next tile's first step frees), the operand ``held`` of the
-    one retired live until then."""
-    if FP8:
-        acc = warpgroup_mma_wait(PENDING, deps=(acc, ))
-        for j in gl.static_range(NB):
-            _keep_alive(held[j])
-    else:
-        acc, held = warpgroup_mma_wait(PENDING, deps=(acc, held))
-    return acc, held
-
-
-@gluon.jit
-def _wide_main_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
+def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
-                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr,
-                     FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr):
+                     SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr,
+                     FP8: gl.constexpr):
     """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
     tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
     the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
-    if LAG and G % 2 == 1:
-        # each step's operand in flight until the next step's wait: an even number of steps per loop iteration, so
-        # that the one it carries out is born after the one it carries in died (an odd one would be copied at the back
-        # edge while its MMA reads it); an odd group count runs one group first and waits for it
-        if (jg1 - jg0) % 2 == 1:
-            codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
-                                                   fac0, c0, jg0, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
-                                                   HALF, WL, DOT, TB, FP8, LAG, LOADER, 1)
-            if LAG:
-                acc, held = _wait_mmas(acc, held, 0, FP8, BK // 32)
-        for jg in range(jg0 + (jg1 - jg0) % 2, jg1, 2):
-            codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
-                                                   fac0, c0, jg, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
-                                                   HALF, WL, DOT, TB, FP8, LAG, LOADER, 2)
-    else:
-        for jg in range(jg0, jg1):
-            codes, acc, held, nxt_w = _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w,
-                                                   fac0, c0, jg, w_ptrs, a_ptrs, ok, row_bytes, BM, BK, S, U, SB,
-                                                   HALF, WL, DOT, TB, FP8, LAG, LOADER, 1)
-    return codes, acc, held, nxt_w
-
-
-@gluon.jit
-def _wide_groups(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, jg, w_ptrs, a_ptrs, ok,
-                 row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                 HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr,
-                 LAG: gl.constexpr, LOADER: gl.constexpr, NG: gl.constexpr):
-    """``NG`` scale-load groups from ``jg`` of ``_wide_main_steps``."""
-    G: gl.constexpr = SB // (BK // 32)
-    for q in gl.static_range(NG):
+    for jg in range(jg0, jg1):
         cur_w = nxt_w
-        nxt_w = _scale_load(w_rows + jg + q + 1)
+        nxt_w = _scale_load(w_rows + jg + 1)
         for g in gl.static_range(G):
-            i = (jg + q) * G + g
-            codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c0 + i, g,
-                                          w_ptrs, a_ptrs, ok, i + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
-                                          WL, DOT, TB, FP8, LAG, LOADER)
-    return codes, acc, held, nxt_w
+            codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
+                                    w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
+                                    WL, DOT, FP8)
+    return codes, acc, nxt_w
 
 
 @gluon.jit
-def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
+def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                      S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                     DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr):
+                     DOT: gl.constexpr, FP8: gl.constexpr):
     """The last ``_wide_tail_groups`` scale-load groups of a wide tile's K loop, unrolled: which of their steps refill
     the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
     program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
@@ -548,36 +325,35 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nx
             c = c0 + num_k - TG * G + tg * G + g
             # the step it refills, from the tile's end: tg * G + g + S - 1 - TG * G (a constexpr only inline)
             if tg * G + g + S - 1 < TG * G:
-                codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g,
-                                              w_ptrs, a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes,
-                                              True, True, BM, BK, S, U, HALF, WL, DOT, TB, FP8, LAG, LOADER)
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
+                                        a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
+                                        BK, S, U, HALF, WL, DOT, FP8)
             elif tg * G + g + 1 < TG * G:
-                codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g,
-                                              w_ptrs_n, a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True,
-                                              has_next, BM, BK, S, U, HALF, WL, DOT, TB, FP8, LAG, LOADER)
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
+                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
+                                        S, U, HALF, WL, DOT, FP8)
             else:  # the tile's last step: the next tile's first codes
-                codes, acc, held = _wide_step(packed, act, loaded, consumed, codes, acc, held, cur_w, fac0, c, g,
-                                              w_ptrs_n, a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes,
-                                              has_next, has_next, BM, BK, S, U, HALF, WL, DOT, TB, FP8, LAG, LOADER)
-    return codes, acc, held, nxt_w
+                codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
+                                        a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
+                                        BK, S, U, HALF, WL, DOT, FP8)
+    return codes, acc, nxt_w
 
 
 @gluon.jit
-def _wide_k_loop(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
+def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                  S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                 DOT: gl.constexpr, TB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr):
+                 DOT: gl.constexpr, FP8: gl.constexpr):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
     Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
-    codes, acc, held, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0,
-                                               c0, 0,
+    codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
                                          num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok, row_bytes, BM,
-                                         BK, S, U, SB, HALF, WL, DOT, TB, FP8, LAG, LOADER)
-    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
+                                         BK, S, U, SB, HALF, WL, DOT, FP8)
+    return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
                             a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, SB,
-                            HALF, WL, DOT, TB, FP8, LAG, LOADER)
+                            HALF, WL, DOT, FP8)
 
 
 @gluon.constexpr_function
@@ -621,8 +397,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      staging, first, end, N, K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                      BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
                      U: gl.constexpr, SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr,
-                     SHORT: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr,
-                     HALF: gl.constexpr):
+                     FP8: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup of the persistent wide GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
@@ -654,15 +429,13 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
     expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, BT)
     w_row0 += _second_half(HALF, BM, N, n0, REPEAT_LAST)
-    w_ptrs, a_ptrs, row_bytes = 0, 0, 0  # (``LOADER``: the loader's copies; placeholders)
-    if not LOADER:
-        w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U)
-        a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
-        for j in gl.static_range(S - 1):
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U,
-                         1 if EARLY_WEIGHTS else 0, True, HALF * R)
+    w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U)
+    a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
+    for j in gl.static_range(S - 1):
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U,
+                     1 if EARLY_WEIGHTS else 0, True, HALF * R)
     _wait_for_previous_kernel()
-    if EARLY_WEIGHTS and not LOADER:
+    if EARLY_WEIGHTS:
         for j in gl.static_range(S - 1):
             _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U, 2, True, HALF * R)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
@@ -670,7 +443,6 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
-    short = _short_tile(sorted_routes_ptr, slot0, SHORT)
     mbarrier.wait(loaded.index(0), 0)
     codes = _stage_codes(packed.index(0), BM, BK, U, WL, FP8)
     c = 0  # ring steps so far
@@ -696,24 +468,15 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
         w_row0_n += _second_half(HALF, BM, N, n0_n, REPEAT_LAST)
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
-        w_ptrs_n, a_ptrs_n = 0, 0
-        if not LOADER:
-            w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
-            a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
+        w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
+        a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
         w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
-        short_n = _short_tile(sorted_routes_ptr, slot0_n, SHORT)
         tile_args = (a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
                      row_ref, bias, gs, e_routes, e_weights, e_scales, n0, n_tiles & 1, N)
-        if SHORT == 0:
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, LOADER, HALF)
-        elif short:  # at most SHORT rows: the MMAs on the ring's first SHORT rows (``_short_tile``)
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, SHORT, BK, S, OUT_I64, U, SB, FP8, LAG, LOADER,
-                                            HALF)
-        else:
-            codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, LAG, LOADER, HALF)
+        codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
         c += num_k
         n_tiles += 1
         expert = expert_n
@@ -726,7 +489,6 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         fac0 = _row_addends(ref_n, FP8)
         expert_n = expert_nn
         e_routes = e_routes_n
-        short = short_n
     return ()
 
 
@@ -734,31 +496,25 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
 def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
                      row_ref, bias, gs, e_routes, e_weights, e_scales, n0, p, N, HAS_BIAS: gl.constexpr,
-                     BM: gl.constexpr, TB: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr,
-                     U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, LAG: gl.constexpr, LOADER: gl.constexpr,
-                     HALF: gl.constexpr):
-    """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop on the ring's first ``TB`` rows (the MMA's N:
-    BT, or ``SHORT`` for a tile of at most that many rows), whose last steps refill the ring with the next tile's first
-    ones, then the epilogue of its ``TB`` slots (routes and routing weights in ``cols`` at tile parity ``p``): row
-    factors, global scale ``gs``, bias and routing weight (as _epilogue), in pieces of at most 128 routed rows, into
-    ``staging``; then the routed rows' 16-B pieces to the output. Returns the codes loaded for the next step and the
+                     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr,
+                     U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+    """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop, whose last steps refill the ring with the next
+    tile's first ones, then the epilogue of its ``BT`` slots (routes and routing weights in ``cols`` at tile parity
+    ``p``): row factors, global scale ``gs``, bias and routing weight (as _epilogue), in pieces of at most 128 routed
+    rows, into ``staging``; then the routed rows' 16-B pieces to the output. Returns the codes loaded for the next step and the
     next scale load."""
-    PIECES: gl.constexpr = 2 if TB > 128 else 1
-    PR: gl.constexpr = TB // PIECES
-    MMA: gl.constexpr = _small_mma_layout(TB, FP8)
+    PIECES: gl.constexpr = 2 if BT > 128 else 1
+    PR: gl.constexpr = BT // PIECES
+    MMA: gl.constexpr = _small_mma_layout(BT, FP8)
     HM: gl.constexpr = _small_mma_layout(PR, FP8)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     ROWS: gl.constexpr = gl.SliceLayout(1, HM)
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [TB, BM]: 16-B pieces
-    acc = gl.zeros((BM, TB), gl.float32, MMA)
-    held = _no_operand(BM, BK, TB, FP8)  # (``LAG``: the previous step's operand)
-    codes, acc, held, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, held, w_rows, nxt_w, fac0, c,
-                                           num_k, w_ptrs,
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
+    acc = gl.zeros((BM, BT), gl.float32, MMA)
+    codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c, num_k, w_ptrs,
                                      a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, None, BM, BK, S,
-                                     U, SB, HALF, WL, DOT, TB, FP8, LAG, LOADER)
-    if LAG:
-        acc, held = _wait_mmas(acc, held, 0, FP8, BK // 32)
+                                     U, SB, HALF, WL, DOT, FP8)
     cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
     cols.index(2 * p + 1).store(e_weights)
     if FP8:
@@ -781,14 +537,14 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
             y += bias[:, None]
         y = y * weights[None, :]
         staging.slice(h * PR, PR).permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
-    routes = cols.index(2 * p).slice(0, TB).load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
+    routes = cols.index(2 * p).slice(0, BT).load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
     row_ok = routes >= 0
     offs_n = n0 + HALF * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
     if OUT_I64:
         out_ptrs = out_ptr + gl.where(row_ok, routes, 0).to(gl.int64)[:, None] * stride_out + offs_n[None, :]
     else:
         out_ptrs = out_ptr + (gl.where(row_ok, routes, 0)[:, None] * stride_out + offs_n[None, :])
-    gl.store(out_ptrs, staging.slice(0, TB).load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
+    gl.store(out_ptrs, staging.slice(0, BT).load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
     return codes, nxt_w
 
 
@@ -797,20 +553,19 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, SHORT: gl.constexpr, FP8: gl.constexpr,
-                LAG: gl.constexpr, LOADER: gl.constexpr, HALF_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, FP8: gl.constexpr,
+                HALF_REGS: gl.constexpr):
     """GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
     the wide GEMM1). With such short programs (K = I) a program per tile would leave the tensor core idle through
-    every prologue and epilogue; here the next tile's first copies land during this tile's epilogue. ``LOADER``: a
-    third partition (``_wide_loader``) issues every copy instead."""
+    every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
     gl.static_assert((BT == 256 or BT == 128) and NUM_STAGES >= 3)
     first = gl.program_id(0)
     # (the route pack is complete: GEMM1 waited for it)
     end = _column_blocks(N, 2 * BM, REPEAT_LAST) * gl.load(num_tiles_ptr)
     if first < end:
-        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES, LOADER)
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
         # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
         # stores and loads of them: Triton's shared-memory barrier pass)
         FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -821,36 +576,16 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
         OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM], out_ptr.dtype.element_ty)
         staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
         staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
-        # (each partition's arguments written out: a tuple built apart loses its constexprs)
-        if LOADER:
-            gl.warp_specialize([
-                (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
-                                    act, loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE,
-                                    BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, LAG,
-                                    LOADER, 0)),
-                (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
-                                    act, loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE,
-                                    BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, LAG,
-                                    LOADER, 1)),
-                (_wide_loader, (a_ptr, stride_a, w_ptr, sorted_routes_ptr, tile_expert_ptr, packed_0, packed_1, act,
-                                loaded, consumed, first, end, N, K, 1, False, BM, BT, BK, NUM_STAGES, U, EARLY_WEIGHTS,
-                                REPEAT_LAST)),
-            ], [4, 4], [HALF_REGS, LOADER_REGS])
-        else:
-            gl.warp_specialize([
-                (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
-                                    act, loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE,
-                                    BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, LAG,
-                                    LOADER, 0)),
-                (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
-                                    sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
-                                    act, loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE,
-                                    BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8, LAG,
-                                    LOADER, 1)),
-            ], [4], [HALF_REGS])
+        gl.warp_specialize([
+            (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
+                                act, loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 0)),
+            (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
+                                sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
+                                act, loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 1)),
+        ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
 
@@ -861,18 +596,15 @@ def moe_gemm_wide_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    REPEAT_LAST: gl.constexpr = False, SHORT: gl.constexpr = 0, FP8: gl.constexpr = False, LAG: gl.constexpr = False,
-    LOADER: gl.constexpr = False, LOADER_REGS: gl.constexpr = 40,
+    REPEAT_LAST: gl.constexpr = False, FP8: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; 128 and ``FP8`` by override), persistent: a
     1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the
-    gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``SHORT``: a tile of at
-    most that many rows runs its MMAs on them alone (0: never). ``EARLY_WEIGHTS`` (GEMM2 launched with PDL):
+    gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2
+    launched with PDL):
     its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s). ``SCALE_BYTES``: the scale
     bytes per load, 4 (a word, K % 128 == 0) or 2 (K % 128 == 64: a row's bytes start 2-byte aligned). ``REPEAT_LAST``
-    (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's rows, unstored. ``LOADER``:
-    a third warpgroup (``LOADER_REGS`` registers) issues every copy (``_wide_loader``), the two others only convert
-    and multiply. Arguments
+    (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's rows, unstored. Arguments
     in the bundles of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack`` the route pack, ``out``
     the output, ``dims`` the sizes and activation parameters."""
     a_ptr, a_scale_ptr, stride_a = a
@@ -888,10 +620,10 @@ def moe_gemm_wide_kernel(
         _launch_dependents()
         _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
-                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SHORT, FP8,
-                    LAG, LOADER, SPLIT_REGS, LOADER_REGS)
+                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, FP8,
+                    SPLIT_REGS)
     else:
         _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE,
-                    BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SHORT, FP8,
-                    LAG, LOADER, SPLIT_REGS, LOADER_REGS)
+                    BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, FP8,
+                    SPLIT_REGS)
