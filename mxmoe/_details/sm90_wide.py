@@ -245,12 +245,12 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
                U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, FP8: gl.constexpr):
     """Ring step ``c`` of one warpgroup of a wide program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
-    its scale word ``cur_w``: the MMA (``FP8``: one per K32 block) of the codes loaded
-    before (the next step's are loaded while it runs, if ``load_next``), then, if ``refill``, the slot step c - 1 read
-    is refilled (once both warpgroups' MMAs on it completed: before this step's MMA went out, each would wait for the
-    other's MMA before converting) with K step ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The
-    callers split their K loops so that these conditions are mostly compile-time constants: a runtime test per step
-    costs instructions in every step."""
+    its scale word ``cur_w``: the MMA (``FP8``: one per K32 block) of the codes loaded before (the next step's are
+    loaded while it runs, if ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both
+    warpgroups' MMAs on it completed: before this step's MMA went out, each would wait for the other's MMA before
+    converting) with K step ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The callers split their
+    K loops so that these conditions are mostly compile-time constants: a runtime test per step costs instructions in
+    every step."""
     NB: gl.constexpr = BK // 32
     s = c % S
     if FP8:  # each block's scale byte, its E4M3 table from it and the row's addends ``fac0`` (``_e4m3_addends``)
@@ -501,8 +501,8 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
     """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop, whose last steps refill the ring with the next
     tile's first ones, then the epilogue of its ``BT`` slots (routes and routing weights in ``cols`` at tile parity
     ``p``): row factors, global scale ``gs``, bias and routing weight (as _epilogue), in pieces of at most 128 routed
-    rows, into ``staging``; then the routed rows' 16-B pieces to the output. Returns the codes loaded for the next step and the
-    next scale load."""
+    rows, into ``staging``; then the routed rows' 16-B pieces to the output. Returns the codes loaded for the next step
+    and the next scale load."""
     PIECES: gl.constexpr = 2 if BT > 128 else 1
     PR: gl.constexpr = BT // PIECES
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
