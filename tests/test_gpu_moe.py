@@ -447,9 +447,8 @@ def test_wide_tiles(kind, ids_dtype, T):
 def test_wide_w4a8(kind, ids_dtype, T):
     """W4A8 on the wide kernels (set by overrides, so that these T take them): FP8 chains over all of K, each block's
     scale folded into its E4M3 weights. SPEC §5's layer bounds (``check``) on 256-row tiles and on 128-row tiles,
-    bitwise equal (the same chain of MMAs per output).
-    gpt-oss shapes with hot (120b) and uniform (20b) routes, the reference shape with hot, masked routes, biases and
-    per-expert global scales."""
+    bitwise equal (the same chain of MMAs per output). gpt-oss shapes with hot (120b) and uniform (20b) routes, the
+    reference shape with hot, masked routes, biases and per-expert global scales."""
     import dataclasses
 
     from mxmoe._details import config

@@ -236,7 +236,8 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     the wide GEMMs there and at this shape), and at its first rows also with per-step scale-byte loads (the form for
     K % 128 != 0), W4A16 with one K32 block per step, with the decode K split (two warpgroups) and, W4A16, without a
     route pack (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``).
-    ``unfolded``: also W4A8's exact unfolded kernel at every small rows. ``name`` says the case, not the config, so that a restructure can be compared case by case."""
+    ``unfolded``: also W4A8's exact unfolded kernel at every small rows. ``name`` says the case, not the config, so
+    that a restructure can be compared case by case."""
     from .config import gemm_config, unfolded_config
 
     cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)),

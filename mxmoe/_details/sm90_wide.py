@@ -81,12 +81,11 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
         routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
-        tile_args = (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
-                     out_ptr, stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c,
-                     num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0,
-                     col0, sm, a_cols, N, K, top_k, limit, alpha)
-        codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(*tile_args, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM,
-                                                                    BT, BK, S, OUT_I64, U, SB, FP8, HALF)
+        codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(
+            a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
+            stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs,
+            ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm, a_cols, N, K, top_k,
+            limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
         c += num_k
         expert = expert_n
         n0 = n0_n
@@ -271,8 +270,8 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
         ops = _e4m3_operands(cur, b, fac0[0], fac0[1], BM, BK, DOT)
         acc = _fp8_chain(ops, rows, acc, NB)
     else:
-        ops = _bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0)
-        acc = warpgroup_mma(ops, rows.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
+                            is_async=True)
     if refill:
         if c > 0:
             mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
@@ -473,10 +472,11 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
-        tile_args = (a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
-                     w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
-                     row_ref, bias, gs, e_routes, e_weights, e_scales, n0, n_tiles & 1, N)
-        codes, nxt_w = _wide_gemm2_tile(*tile_args, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
+        codes, nxt_w = _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols,
+                                        staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes,
+                                        has_next, w_rows_n, w_ptrs_n, a_ptrs_n, row_ref, bias, gs, e_routes, e_weights,
+                                        e_scales, n0, n_tiles & 1, N, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8,
+                                        HALF)
         c += num_k
         n_tiles += 1
         expert = expert_n
@@ -601,12 +601,11 @@ def moe_gemm_wide_kernel(
     """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; 128 and ``FP8`` by override), persistent: a
     1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the
     gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2
-    launched with PDL):
-    its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s). ``SCALE_BYTES``: the scale
-    bytes per load, 4 (a word, K % 128 == 0) or 2 (K % 128 == 64: a row's bytes start 2-byte aligned). ``REPEAT_LAST``
-    (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's rows, unstored. Arguments
-    in the bundles of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack`` the route pack, ``out``
-    the output, ``dims`` the sizes and activation parameters."""
+    launched with PDL): its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s).
+    ``SCALE_BYTES``: the scale bytes per load, 4 (a word, K % 128 == 0) or 2 (K % 128 == 64: a row's bytes start 2-byte
+    aligned). ``REPEAT_LAST`` (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's
+    rows, unstored. Arguments in the bundles of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack``
+    the route pack, ``out`` the output, ``dims`` the sizes and activation parameters."""
     a_ptr, a_scale_ptr, stride_a = a
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
