@@ -9,7 +9,9 @@ The *route pack* groups routes by local expert into segments padded to the tile 
 padding, ``route_slot[r]`` the slot of route ``r`` (``SENTINEL`` if masked). Tile ``i`` <
 ``num_tiles`` covers slots ``tile_start[i] .. + block_rows`` of expert ``tile_expert[i]``;
 only tiles holding a valid row are listed. Buffers have fixed capacities (see
-:func:`route_pack_capacity`) so the GPU pack needs no host synchronization.
+:func:`route_pack_capacity`) so the GPU pack needs no host synchronization. With ``extra`` rows (the wide tiles'
+``GemmConfig.extra_rows``) a tile holds ``block_rows - extra`` routes except an expert's last, which holds up to
+``block_rows``.
 
 :func:`route_pack` is the PyTorch implementation (any device; stable order within an
 expert). :func:`device_route_pack` launches the kernels (one or two, :func:`route_pack_launches`) that build the same
@@ -44,16 +46,16 @@ def local_expert_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: Optio
     return torch.where(valid, local, torch.full_like(local, SENTINEL)).to(torch.int32)
 
 
-def route_pack_capacity(num_routes: int, num_experts: int, block_rows: int) -> tuple[int, int]:
+def route_pack_capacity(num_routes: int, num_experts: int, block_rows: int, extra: int = 0) -> tuple[int, int]:
     """(max padded rows, max tiles) for any routing of ``num_routes`` routes."""
     # every listed tile holds a valid row, and each non-empty expert wastes < one tile
-    max_tiles = min(num_routes, cdiv(num_routes, block_rows) + min(num_experts, num_routes))
+    max_tiles = min(num_routes, cdiv(num_routes, block_rows - extra) + min(num_experts, num_routes))
     return max_tiles * block_rows, max_tiles
 
 
 @dataclass
 class RoutePack:
-    block_rows: int
+    block_rows: int  # slots per tile
     sorted_routes: torch.Tensor  # int32 [max_rows]
     route_slot: torch.Tensor  # int32 [num_routes]
     expert_counts: torch.Tensor  # int32 [E]
@@ -61,19 +63,23 @@ class RoutePack:
     tile_expert: torch.Tensor  # int32 [max_tiles], SENTINEL past num_tiles
     tile_start: torch.Tensor  # int32 [max_tiles]
     num_tiles: torch.Tensor  # int32 [1]
+    extra: int = 0  # routes a tile holds past block_rows - extra (an expert's last tile only)
 
 
-def route_pack(topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert_map: Optional[torch.Tensor] = None) -> RoutePack:
+def route_pack(topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert_map: Optional[torch.Tensor] = None,
+               extra: int = 0) -> RoutePack:
     """Build the route pack with PyTorch ops (reference; routes in flat order inside an expert)."""
-    if block_rows < 1 or num_experts < 1:
-        raise ValueError(f"route_pack needs block_rows >= 1 and num_experts >= 1, got {block_rows} and {num_experts}")
+    if block_rows < 1 or num_experts < 1 or not 0 <= extra < block_rows:
+        raise ValueError(f"route_pack needs block_rows >= 1, num_experts >= 1 and 0 <= extra < block_rows, got "
+                         f"{block_rows}, {num_experts} and {extra}")
     device = topk_ids.device
     local = local_expert_ids(topk_ids, num_experts, expert_map).reshape(-1).long()
     R = local.numel()
-    max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
+    max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows, extra)
     valid = local >= 0
     counts = torch.zeros(num_experts, dtype=torch.long, device=device).index_add_(0, local[valid], torch.ones_like(local[valid]))
-    tiles = (counts + block_rows - 1) // block_rows
+    fill = block_rows - extra  # routes per tile but an expert's last
+    tiles = torch.where(counts > 0, (torch.clamp(counts - extra, min=1) + fill - 1) // fill, 0)
     offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     offsets[1:] = torch.cumsum(tiles * block_rows, 0)
     key = torch.where(valid, local, torch.full_like(local, num_experts))
@@ -82,7 +88,9 @@ def route_pack(topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert
     first = torch.searchsorted(sorted_key, sorted_key, right=False)  # first sorted index of each expert
     rank = torch.arange(R, device=device) - first
     ok = sorted_key < num_experts
-    slot = offsets[sorted_key[ok]] + rank[ok]
+    e_ok = sorted_key[ok]
+    tile_in_expert = torch.minimum(rank[ok] // fill, tiles[e_ok] - 1)
+    slot = offsets[e_ok] + rank[ok] + tile_in_expert * extra
     sorted_routes = torch.full((max_rows,), SENTINEL, dtype=torch.int32, device=device)
     sorted_routes[slot] = order[ok].to(torch.int32)
     route_slot = torch.full((R,), SENTINEL, dtype=torch.int32, device=device)
@@ -102,25 +110,26 @@ def route_pack(topk_ids: torch.Tensor, num_experts: int, block_rows: int, expert
         tile_expert=torch.where(listed, tile_e, torch.full_like(tile_e, SENTINEL)).to(torch.int32),
         tile_start=torch.where(listed, start, torch.zeros_like(start)).to(torch.int32),
         num_tiles=n_tiles.reshape(1).to(torch.int32),
+        extra=extra,
     )
 
 
 def device_route_pack(workspace, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int,
-                      num_experts: int) -> RoutePack:
+                      num_experts: int, extra: int = 0) -> RoutePack:
     """The route pack of :func:`route_pack` built by the Triton kernels into ``workspace``'s buffers (no host sync,
     capturable); returns views of them."""
-    pack, launches = route_pack_launches(workspace, topk_ids, expert_map, block_rows, num_experts)
+    pack, launches = route_pack_launches(workspace, topk_ids, expert_map, block_rows, num_experts, extra)
     run_launches(launches)
     return pack
 
 
 def route_pack_launches(ws, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], block_rows: int,
-                        num_experts: int) -> tuple[RoutePack, list]:
+                        num_experts: int, extra: int = 0) -> tuple[RoutePack, list]:
     """The launches of :func:`device_route_pack` (``_details.launch_plan.KernelLaunch``) and the pack they build:
     one kernel up to ``ROUTE_BLOCK`` routes, else two (``_details.routing_kernels``); no torch fill. ``ws``: the
     Workspace whose buffers the pack is built in."""
     R = topk_ids.numel()
-    max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows)
+    max_rows, max_tiles = route_pack_capacity(R, num_experts, block_rows, extra)
     if max_rows > ws.sorted_routes.numel() or max_tiles > ws.tile_expert.numel():
         raise ValueError(f"workspace: no room for a pack of {block_rows}-row tiles of {R} routes")
     sorted_routes = ws.sorted_routes[:max_rows]
@@ -136,7 +145,7 @@ def route_pack_launches(ws, topk_ids: torch.Tensor, expert_map: Optional[torch.T
             (topk_ids, emap, ws.expert_counts, ws.offsets, ws.tile_expert, ws.tile_start, ws.num_tiles,
              ws.route_slot, sorted_routes, R, num_experts, n_global, max_rows, max_tiles),
             dict(HAS_MAP=expert_map is not None, BT=block_rows, BLOCK=block, E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK,
-                 num_warps=4, **pdl_launch(topk_ids.device)))]
+                 num_warps=4, **pdl_launch(topk_ids.device), **_extra_meta(extra)))]
     else:
         grid = (cdiv(R, ROUTE_BLOCK),)
         launches = [
@@ -145,14 +154,19 @@ def route_pack_launches(ws, topk_ids: torch.Tensor, expert_map: Optional[torch.T
                           ws.expert_counts, ws.offsets, ws.sub_offsets, ws.tile_expert, ws.tile_start,
                           ws.num_tiles, R, num_experts, n_global, max_tiles),
                          dict(HAS_MAP=expert_map is not None, BLOCK=ROUTE_BLOCK, SUBS=ws.route_subs, BT=block_rows,
-                              E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK)),
+                              E_BLOCK=e_block, T_BLOCK=ROUTE_BLOCK, **_extra_meta(extra))),
             KernelLaunch(route_scatter_kernel, grid,
                          (ws.route_expert, ws.route_rank, ws.sub_offsets, ws.expert_counts, ws.offsets,
                           ws.tile_expert, ws.num_tiles, ws.route_slot, sorted_routes, R, num_experts, max_rows),
-                         dict(BT=block_rows, BLOCK=ROUTE_BLOCK, SUBS=ws.route_subs)),
+                         dict(BT=block_rows, BLOCK=ROUTE_BLOCK, SUBS=ws.route_subs, **_extra_meta(extra))),
         ]
     pack = RoutePack(block_rows=block_rows, sorted_routes=sorted_routes, route_slot=ws.route_slot[:R],
                      expert_counts=ws.expert_counts, segment_offsets=ws.offsets,
                      tile_expert=ws.tile_expert[:max_tiles], tile_start=ws.tile_start[:max_tiles],
-                     num_tiles=ws.num_tiles)
+                     num_tiles=ws.num_tiles, extra=extra)
     return pack, launches
+
+
+def _extra_meta(extra: int) -> dict:
+    """The pack kernels' ``EXTRA`` where it is set (left out at 0: the kernels as compiled before it existed)."""
+    return dict(EXTRA=extra) if extra else {}

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ._details.config import DIRECT_MAX_TOKENS, pack_tile_heights
+from ._details.config import DIRECT_MAX_TOKENS, pack_shapes
 from .prepare import PreparedExperts
 from .routing import ROUTE_SUBS, route_pack_capacity
 from .selection import fp8_min_rows
@@ -53,7 +53,7 @@ class Workspace:
         device = torch.device(device) if device is not None else experts.device
         E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
         R = max_tokens * top_k
-        caps = [route_pack_capacity(R, E, bt) for bt in pack_tile_heights(R, E)]
+        caps = [route_pack_capacity(R, E, bt, extra) for bt, extra in pack_shapes(R, E)]
         max_rows = max(c[0] for c in caps)
         max_tiles = max(c[1] for c in caps)
         i32 = dict(dtype=torch.int32, device=device)

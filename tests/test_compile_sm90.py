@@ -43,6 +43,9 @@ def test_every_kind_of_config_is_compiled(reports):
     wide = {(r["gemm1"], r["config"]["wide"], r["config"]["sub_tiles"]) for r in small
             if r["config"]["block_rows"] == 256 or r["config"]["sub_tiles"] == 2}
     assert wide >= {(True, True, 1), (False, True, 1), (False, False, 2)}
+    # ... and with their extra rows (both GEMMs), at both scale-load sizes
+    assert {(r["gemm1"], r["config"]["scale_words"]) for r in small if r["config"]["extra_rows"]} == \
+        {(g, w) for g in (True, False) for w in (True, False)}
     # ... both also with 16-bit scale loads (K % 128 == 64, gpt-oss's 2880)
     assert {r["gemm1"] for r in small if r["config"]["wide"] and not r["config"]["scale_words"]} == {True, False}
     # GEMM2's two 64-row blocks per program where N % 128 == 64 (the last program's second block a repeat): in pairs
@@ -91,7 +94,10 @@ def _uses_wgmma_without_spills(r):
     # 216-224 registers), once per tile, never in the K loop (asserted below)
     # W4A8 on the wide GEMM1 (FP32 outputs staged) spills 16 bytes with SiLU at K = 2880, outside its K loop
     wide_w4a8_gemm1 = r["fp8"] and r["gemm1"] and r["config"]["wide"]
-    budget = {"gluon_ws8": 256}.get(r["kernel"], 32 if pairs_128 or wide_w4a8_gemm1 else 0)
+    # The wide W4A16 tiles with extra rows (a second accumulator) spill outside the K loop: 24 / 48 bytes (GEMM1 /
+    # GEMM2) at K = 2880, 120 / 160 with scale words (the reference shape)
+    extra_rows = r["config"]["extra_rows"] > 0
+    budget = {"gluon_ws8": 256}.get(r["kernel"], 160 if extra_rows else 32 if pairs_128 or wide_w4a8_gemm1 else 0)
     if r["kernel"] != "gluon_ws8" or gluon_validated(triton.__version__):
         assert r["spill_bytes"] <= budget, r
     assert r["k_loop_length"] > 0 and r["k_loop_local"] == 0, r

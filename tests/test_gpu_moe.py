@@ -565,3 +565,38 @@ def test_w4a8_gemm_level(name):
     assert not failed, (failed, metrics)
     assert metrics["w4a8_gemm1_vs_f64"] <= 1.5e-3, metrics
     assert metrics["w4a8_gemm2_vs_f64"] <= 1.5e-3, metrics
+
+
+@gluon_only
+@pytest.mark.parametrize("shape,T,ids_dtype", [((16, 2880, 2880, 4), 1200, torch.int64),
+                                               ((16, 4096, 1024, 8), 1000, torch.int32)])
+def test_wide_extra_rows(shape, T, ids_dtype):
+    """The wide W4A16 tiles with 32 extra rows (``extra_rows``): experts' counts on both sides of multiples of 256
+    (0, 1, 31-33, 255-257, 280, 288-289, 300, 512, 544-545, 800: tiles of 256 and last tiles of up to 288, with and
+    without their second MMA), masked routes, NaN-filled intermediates; against the exact reference (``check``) and
+    bitwise equal to the wide tiles without extra rows. gpt-oss's K tail (16-bit scale loads, GEMM2's repeated last
+    half) and the reference shape's H, I and top_k (scale words)."""
+    from mxmoe._details import config
+
+    E, H, I, top_k = shape
+    counts = [0, 1, 31, 32, 33, 255, 256, 257, 280, 288, 289, 300, 512, 544, 545, 800]
+    assert len(counts) == E and max(counts) < T
+    # token t takes labels t, T + t, ...: distinct experts per token (each count < T), the rest masked
+    labels = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    labels = torch.cat([labels, torch.full((T * top_k - labels.numel(),), -1)])
+    g = torch.Generator().manual_seed(3)
+    ids = labels.view(top_k, T).t()[torch.randperm(T, generator=g)].contiguous().to("cuda", ids_dtype)
+    w = (torch.rand(T, top_k, generator=g) + 0.1).cuda()
+    ex = gpu_experts(E, H, I)
+    x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    outs = []
+    for extra in (0, 32):
+        wide = dict(block_rows=config.WIDE_ROWS, extra_rows=extra)
+        with config.overrides(gemm1=wide, gemm2=wide) as changes:
+            ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
+            ws.intermediate.view(torch.uint8).fill_(255)  # (NaN: every row a GEMM reads must have been written)
+            g1 = config.gemm_config(T * top_k, E, I, H, False, changes.gemm1, kernel="gluon_small")
+            g2 = config.gemm_config(T * top_k, E, H, I, False, changes.gemm2, kernel="gluon_small", gemm1=False)
+            assert g1.wide and g2.wide and g1.extra_rows == g2.extra_rows == extra
+            outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
+    assert torch.equal(outs[0], outs[1])

@@ -22,6 +22,7 @@ from . import env_get, interpreting, wide_tail_steps
 
 TILE_ROWS = (16, 32, 64, 128)  # route-pack tile heights in use
 WIDE_ROWS = 256  # the route tiles of the wide W4A16 GEMMs (``GemmConfig.wide``)
+WIDE_EXTRA = 32  # ... and their extra rows (``GemmConfig.extra_rows``)
 WIDE_FROM = 132  # routed rows per expert above which W4A16 takes them (perf-notes step 21)
 DIRECT_MAX_TOKENS = 4  # tokens up to which W4A16 runs without a route pack (slower from T=8; step 17)
 SPLIT_LOOP_MIN_STEPS = 16  # K steps per warpgroup from which small-tile W4A16 splits its K loop (step 23)
@@ -60,6 +61,9 @@ class GemmConfig:
     promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
     # FP32 accumulators (0: one chain over all of K)
     promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
+    extra_rows: int = 0  # wide W4A16: route tiles of block_rows + extra_rows slots, the extra rows multiplied (a second
+    # MMA on the same converted weights) only where a tile holds them: an expert's last rows past a multiple of
+    # block_rows, up to extra_rows, take no tile of their own (``sm90_wide._wide_mma_extra``)
 
     @property
     def wide_scale_bytes(self) -> int:
@@ -94,6 +98,10 @@ class GemmConfig:
         if self.wide and not (self.block_rows in (128, 256) and self.k_split == 1 and self.k_parts == 1
                               and not self.promote):
             raise ValueError("wide takes 256- or 128-row tiles, no K split and FP8 chains over all of K")
+        if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide and self.block_rows == WIDE_ROWS
+                                    and not fp8):
+            raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's {WIDE_ROWS}-row wide tiles "
+                             "only")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
@@ -123,11 +131,12 @@ def wide_shared_bytes(cfg: GemmConfig, gemm1: bool, fp8: bool) -> int:
     """Shared memory of the wide kernels (``sm90_wide``), barriers left out: the activation ring (one or two bytes per
     value), both warpgroups' packed weights and output staging (GEMM1 BM/2 columns of BF16, W4A8 FP32; GEMM2 BM of
     BF16) and GEMM2's routes, routing weights (and W4A8's row scales)."""
-    act = cfg.num_stages * cfg.block_rows * cfg.block_k * (1 if fp8 else 2)
+    act = cfg.num_stages * (cfg.block_rows + cfg.extra_rows) * cfg.block_k * (1 if fp8 else 2)
     packed = 2 * cfg.num_stages * cfg.block_m * cfg.block_k // 2
     if gemm1:
         return act + packed + 2 * cfg.block_rows * cfg.block_m // 2 * (4 if fp8 else 2)
-    return act + packed + 2 * cfg.block_rows * cfg.block_m * 2 + 2 * (8 if fp8 else 4) * cfg.block_rows * 4
+    staged = cfg.block_rows // (2 if cfg.extra_rows else 1)  # (with extra rows GEMM2 stages half a tile at a time)
+    return act + packed + 2 * staged * cfg.block_m * 2 + 2 * (8 if fp8 else 4) * cfg.block_rows * 4
 
 
 def wide_scale_bytes(scale_words: bool) -> int:
@@ -287,6 +296,21 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_f
     return TILE_ROWS[-1]
 
 
+def pack_shapes(routes: int, num_experts: int) -> list:
+    """(slots per tile, extra rows) of every route pack a call of ``routes`` routed rows may build: the heights of
+    :func:`pack_tile_heights`, and the wide tiles with their extra rows where those apply."""
+    shapes = [(bt, 0) for bt in pack_tile_heights(routes, num_experts)]
+    changes = current_overrides()
+    if routes > WIDE_FROM * num_experts or any(g.get("extra_rows") for g in (changes.gemm1, changes.gemm2)):
+        shapes.append((WIDE_ROWS + WIDE_EXTRA, WIDE_EXTRA))
+    return shapes
+
+
+def pack_shape(cfg: GemmConfig) -> tuple[int, int]:
+    """(slots per tile, extra rows) of the route pack a GEMM on ``cfg`` reads."""
+    return cfg.block_rows * cfg.sub_tiles + cfg.extra_rows, cfg.extra_rows
+
+
 def pack_tile_heights(routes: int, num_experts: int) -> list:
     """The route-tile heights a call of ``routes`` routed rows may pack (a workspace holds the largest such pack):
     the small tiles, the wide ones past ``WIDE_FROM`` rows per expert, and those the current overrides set."""
@@ -394,6 +418,7 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
     if bt == WIDE_ROWS or override.get("wide"):
+        cfg["extra_rows"] = override.pop("extra_rows", 0)  # (before the stages: its ring takes shared memory)
         _wide_knobs(cfg, k, gemm1, fp8)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
     if fp8 and not cfg["wide"]:
@@ -506,6 +531,6 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool, n: int) -> 
     common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
                   REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and not gemm2_pair_fits(n))
     if cfg.wide:
-        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes)
+        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes, EXTRA_ROWS=cfg.extra_rows)
     return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
                 SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)

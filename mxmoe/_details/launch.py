@@ -27,8 +27,8 @@ from ..selection import LayerPlan
 from ..workspace import default_plan, held_workspace, workspace_for
 from . import cdiv, env_get, interpreting, next_pow2, tuned  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
-                     gemm_config, gluon_kernel, gluon_validated, kernel_choice, pack_tile_heights, pdl_launch,
-                     small_kernel_constexprs, unfolded_config)
+                     gemm_config, gluon_kernel, gluon_validated, kernel_choice, pack_shape, pack_tile_heights,
+                     pdl_launch, small_kernel_constexprs, unfolded_config)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
 from .launch_plan import KernelLaunch, LaunchPlan, run_launches
@@ -238,7 +238,7 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
                 cfg2 = config(False, {**table2, **pinned})
             elif ws8 is cfg2 and cfg1.block_rows * cfg1.sub_tiles != ws8.block_rows:
                 cfg1 = config(True, {**table1, **pinned})
-        assert cfg1.block_rows * cfg1.sub_tiles == cfg2.block_rows * cfg2.sub_tiles, "both GEMMs read one route pack"
+        assert pack_shape(cfg1) == pack_shape(cfg2), "both GEMMs read one route pack"
         return cfg1, cfg2
 
     untuned = build({}, {})
@@ -269,7 +269,8 @@ def describe(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPla
         pack, max_rows = None, R * cfg1.block_rows
     else:
         cfg1 = replace(cfg1, k_parts=1)  # the K halves join per route: the direct path only
-        pack, launches = route_pack_launches(workspace, topk_ids, expert_map, cfg1.block_rows * cfg1.sub_tiles, E)
+        slots, extra = pack_shape(cfg1)
+        pack, launches = route_pack_launches(workspace, topk_ids, expert_map, slots, E, extra)
         max_rows = pack.sorted_routes.numel()
     common = dict(topk_weights=topk_weights, top_k=top_k, limit=plan.limit, alpha=plan.alpha,
                   swigluoai=plan.activation == "swigluoai", fp8=fp8, direct=direct)

@@ -259,6 +259,9 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880), False)]
     # ... and GEMM2 in pairs on 128-row tiles there (the last pair's second block a repeat)
     cases += [("gluon_small", small_rows[-2], False, dict(hidden=2880, intermediate=2880, gemm2_only=True), False)]
+    # the wide W4A16 tiles with 32 extra rows (a second MMA where a tile holds them), there and on this shape
+    cases += [("gluon_small", small_rows[-1], False, dict(hidden=2880, intermediate=2880, extra_rows=32), False)]
+    cases += [("gluon_small", small_rows[-1], False, dict(extra_rows=32), False)]
     # the wide kernels for W4A8 there and on this shape
     wide8 = dict(kernel="gluon_small", block_rows=256, wide=True)
     cases += [("gluon_small", small_rows[-1], True, dict(wide8, hidden=2880, intermediate=2880), False)]

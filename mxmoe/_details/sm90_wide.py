@@ -15,8 +15,8 @@ from .convert import FOLD_REF_MAX
 from .sm90_operands import (_bf16_operand, _e4m3_addends, _e4m3_operands, _fold_addend, _fp8_chain,
                             _fragment_bytes, _fragment_words, _fragment_words_layout, _keep_alive, _pow2,
                             _scale_word_factors, _scale_word_rows, _small_mma_layout)
-from .sm90_pipeline import (_act_copy_layout, _copy_pointers, _epilogue_values, _issue_stage, _launch_dependents,
-                            _origin, _tile_origin, _wait_for_previous_kernel, _weight_pointers)
+from .sm90_pipeline import (_act_copy_layout, _async_load, _copy_pointers, _epilogue, _epilogue_values, _issue_stage,
+                            _launch_dependents, _origin, _tile_origin, _wait_for_previous_kernel, _weight_pointers)
 
 
 @gluon.jit
@@ -35,14 +35,16 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                      NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                     FP8: gl.constexpr, HALF: gl.constexpr):
+                     FP8: gl.constexpr, HALF: gl.constexpr, XR: gl.constexpr):
     """One warpgroup of the persistent wide GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
     ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
     ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
     ..`` of the shared ring; then the epilogue of its BM/2 columns for all BT routed rows, from its own accumulator.
     The ring runs on across tiles (as ``_wide_gemm2_half``): a tile's last steps refill it with the next tile's first
-    steps, whose copies land during the epilogue."""
+    steps, whose copies land during the epilogue. ``XR`` extra rows: a tile is BT + XR slots, the last XR multiplied
+    only where its slot BT holds a route (``_wide_mma_extra``); this warpgroup copies half of them."""
     R: gl.constexpr = BT // 2
+    TS: gl.constexpr = BT + XR  # route-pack slots per tile
     C: gl.constexpr = BM // 2  # output columns
     S: gl.constexpr = NUM_STAGES
     gl.static_assert(NUM_STAGES >= 3 and BM == 64)
@@ -59,12 +61,20 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     a_rows = gl.arange(0, R, layout=gl.SliceLayout(1, AL))
     a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, AL))
     # the first tile: its copies, its first scale word
-    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, BT)
+    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 2, BM, TS)
     _, a_ptrs, ok, row_bytes = _copy_pointers(w_ptr, a_ptr, stride_a, sorted_routes_ptr, slot0 + HALF * R, top_k,
                                               w_row0, K, True, BM, R, BK, U)
+    extra = None
+    if XR > 0:  # (pairs: ``_wide_copy``)
+        extra = gl.load(sorted_routes_ptr + slot0 + BT) >= 0
+        ok_x, ax_ptrs = _extra_rows(a_ptr, stride_a, gl.load(sorted_routes_ptr + slot0 + BT + HALF * (XR // 2)
+                                                             + _extra_slots(a_ptr.dtype.element_ty, BK, XR)),
+                                    top_k, BK)
+        a_ptrs = (a_ptrs, ax_ptrs)
+        ok = (ok, ok_x)
     w_ptrs = _weight_pointers(w_ptr, w_row0, K, BM, BK, U, N, 1, True, col0)[0]
     for j in gl.static_range(S - 1):
-        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, j, j, 1, BK, U, 0, True, HALF * R)
+        _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, ok, row_bytes, j, j, BK, U, HALF, XR)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
     nxt_w = _scale_load(w_rows)
     fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
@@ -77,16 +87,23 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         # the expert of the one after it
         has_next = tile + stride < end
         nt = gl.minimum(tile + stride, end - 1)
-        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 2, BM, BT)
+        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 2, BM, TS)
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
         routes_n = gl.load(sorted_routes_ptr + slot0_n + HALF * R + a_rows)  # (its copy pointers: in the tail)
+        extra_n = None
+        if XR > 0:
+            extra_n = gl.load(sorted_routes_ptr + slot0_n + BT) >= 0
+            routes_n = (routes_n, gl.load(sorted_routes_ptr + slot0_n + BT + HALF * (XR // 2)
+                                          + _extra_slots(a_ptr.dtype.element_ty, BK, XR)))
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         codes, nxt_w, w_ptrs, a_ptrs, ok, w_rows = _wide_gemm1_tile(
             a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
             stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs,
             ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm, a_cols, N, K, top_k,
-            limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF)
+            limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF, extra, XR)
         c += num_k
+        if XR > 0:
+            extra = extra_n
         expert = expert_n
         n0 = n0_n
         w_row0 = w_row0_n
@@ -103,10 +120,11 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      col0, sm, a_cols, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
                      OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr,
-                     HALF: gl.constexpr):
+                     HALF: gl.constexpr, extra=None, XR: gl.constexpr = 0):
     """One tile of ``_wide_gemm1_half`` from ring step ``c``: its K loop, whose last steps refill the ring with the next
-    tile's first ones, then the epilogue of its ``BT`` slots. Returns the codes loaded for the next step, the next scale
-    load and the next tile's copy pointers and scale rows."""
+    tile's first ones, then the epilogue of its ``BT`` slots (and, where it holds them, its ``XR`` extra slots:
+    ``routes_n`` and the copy pointers are pairs then). Returns the codes loaded for the next step, the next scale load
+    and the next tile's copy pointers and scale rows."""
     C: gl.constexpr = BM // 2  # output columns
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
@@ -116,17 +134,32 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
     OL: gl.constexpr = _out_piece_layout(out_ptr.dtype.element_ty, C)  # [BT, C]: 16-B pieces
     acc = gl.zeros((BM, BT), gl.float32, MMA)
+    if XR > 0:
+        acc = (acc, gl.zeros((BM, XR), gl.float32, _small_mma_layout(XR, False)))
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
-                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, FP8)
+                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, FP8, extra, XR)
     # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
-    ok_n = routes_n >= 0
-    a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
+    if XR > 0:
+        ok_n = routes_n[0] >= 0
+        a_ptrs_n = a_ptr + gl.where(ok_n, routes_n[0] // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
+        ok_xn, ax_ptrs_n = _extra_rows(a_ptr, stride_a, routes_n[1], top_k, BK)
+        a_ptrs_n = (a_ptrs_n, ax_ptrs_n)
+        ok_n = (ok_n, ok_xn)
+    else:
+        ok_n = routes_n >= 0
+        a_ptrs_n = a_ptr + gl.where(ok_n, routes_n // top_k, 0).to(gl.int64)[:, None] * stride_a + a_cols[None, :]
     w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U, N, 1, True, col0)[0]
     w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
     codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, FP8)
+                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, FP8, extra, XR)
+    if XR > 0:
+        acc, acc_x = acc
+        if extra:  # the extra slots: from the accumulator's layout (XR values per thread and column: no staging)
+            _wide_gemm1_extra_out(acc_x, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
+                                  stride_out, expert, n0, w_row0, slot0 + BT, col0, N, top_k, limit, alpha, SWIGLUOAI,
+                                  HAS_BIAS, HAS_GSCALE, BM, XR, OUT_I64)
     # each row times its factor (``_row_factors``), then the gate and up rows apart
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
     acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows), FP8)[:, None]
@@ -157,6 +190,49 @@ def _out_piece_layout(dtype, C):
     """[rows, C] output values in 16-B pieces of rows, over one warpgroup."""
     epv = 128 // dtype.primitive_bitwidth
     return gl.BlockedLayout([1, epv], [32 * epv // C, C // epv], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _extra_slots_layout(dtype, BK):
+    """A warpgroup's half of the extra rows in ``_act_copy_layout``."""
+    return gl.SliceLayout(1, _act_copy_layout(dtype, BK, 4))
+
+
+@gluon.jit
+def _extra_slots(a_dtype: gl.constexpr, BK: gl.constexpr, XR: gl.constexpr):
+    """0 .. XR/2 - 1: a warpgroup's half of a tile's extra rows, in the layout of their copy."""
+    return gl.arange(0, XR // 2, layout=_extra_slots_layout(a_dtype, BK))
+
+
+@gluon.jit
+def _extra_rows(a_ptr, stride_a, routes, top_k, BK: gl.constexpr):
+    """(rows holding a route, ``cp.async`` sources of K step 0) of a wide GEMM1's extra rows ``routes`` (each
+    route's token)."""
+    ok = routes >= 0
+    AL: gl.constexpr = _act_copy_layout(a_ptr.dtype.element_ty, BK, 4)
+    ptrs = (a_ptr + gl.where(ok, routes // top_k, 0).to(gl.int64)[:, None] * stride_a
+            + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
+    return ok, ptrs
+
+
+@gluon.jit
+def _wide_gemm1_extra_out(acc_x, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out,
+                          expert, n0, w_row0, slot0, col0, N, top_k, limit, alpha, SWIGLUOAI: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr, XR: gl.constexpr,
+                          OUT_I64: gl.constexpr):
+    """A wide GEMM1 warpgroup's epilogue of the extra slots ``slot0 ..`` (W4A16): row factors, the gate and up rows
+    apart (as the tile's), then ``_epilogue``'s activation and store of the slots holding a route."""
+    MMA_X: gl.constexpr = _small_mma_layout(XR, False)
+    HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    C: gl.constexpr = BM // 2
+    rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA_X)), N, col0)
+    acc_x = acc_x * _row_factors(gl.load(ref_ptr + w_row0 + rows), False)[:, None]
+    g, u = acc_x.reshape([BM // 16, 2, 8, XR]).permute((0, 2, 3, 1)).split()
+    g = gl.convert_layout(g.reshape([C, XR]), HL, assert_trivial=True)
+    u = gl.convert_layout(u.reshape([C, XR]), HL, assert_trivial=True)
+    _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, sorted_routes_ptr,
+              expert, w_row0 + col0, n0 + col0, slot0, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
+              HAS_GSCALE, C, XR, OUT_I64, HL)
 
 
 @gluon.jit
@@ -193,7 +269,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                SB: gl.constexpr, FP8: gl.constexpr, HALF_REGS: gl.constexpr):
+                SB: gl.constexpr, FP8: gl.constexpr, HALF_REGS: gl.constexpr, XR: gl.constexpr):
     """GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
@@ -205,7 +281,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
     first = gl.program_id(0)
     end = (N // BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: the kernel waited for it)
     if first < end:
-        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES, XR)
         # each warpgroup's BF16 results of a tile [BT, BM/2], stored from here in 16-B pieces of rows
         OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM // 2], out_ptr.dtype.element_ty)
         staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM // 2], OUT_SL)
@@ -214,21 +290,26 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
                                 loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 0)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 0, XR)),
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
                                 loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 1)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 1, XR)),
         ], [4], [HALF_REGS])
 
 
 @gluon.jit
-def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
+               XR: gl.constexpr = 0):
     """The ``cp.async`` ring of a wide tile's two warpgroups: the shared activation rows, each warpgroup's packed
     weights, ``loaded`` (every thread of both arrives) and ``consumed`` (both warpgroups' MMAs on the slot
-    completed)."""
+    completed). ``XR`` extra rows: the activations are a pair, the BT rows' ring and the extra rows' (an allocation of
+    its own: Triton's barrier pass puts a CTA barrier between two copies into one allocation)."""
     act = gl.allocate_shared_memory(a_dtype, [NUM_STAGES, BT, BK],
                                     gl.NVMMASharedLayout.get_default_for([BT, BK], a_dtype))
+    if XR > 0:
+        act = (act, gl.allocate_shared_memory(a_dtype, [NUM_STAGES, XR, BK],
+                                              gl.NVMMASharedLayout.get_default_for([XR, BK], a_dtype)))
     packed_0 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     packed_1 = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BM, BK // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     loaded = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -240,16 +321,38 @@ def _wide_ring(a_dtype: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl
 
 
 @gluon.jit
+def _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, ok, row_bytes, slot, step, BK: gl.constexpr, U: gl.constexpr,
+               HALF: gl.constexpr, XR: gl.constexpr, PART: gl.constexpr = 0):
+    """``_issue_stage`` of one warpgroup of a wide tile: K step ``step`` into ring slot ``slot`` (``PART`` as there).
+    With ``XR`` extra rows ``act``, ``a_ptrs`` and ``ok`` are pairs (``ok`` None: every row): this warpgroup's half of
+    the extra rows is copied too, before the arrival (which waits for all of the thread's copies)."""
+    if XR > 0:
+        if PART != 1:
+            rows_x = act[1].index(slot).slice(HALF * (XR // 2), XR // 2)
+            if ok is None:
+                _async_load(rows_x, a_ptrs[1] + step * BK)
+            else:
+                _async_load(rows_x, a_ptrs[1] + step * BK, mask=ok[1][:, None])
+        _issue_stage(packed, act[0], loaded, w_ptrs, a_ptrs[0], None if ok is None else ok[0], 0, row_bytes, slot,
+                     step, 1, BK, U, PART, True, HALF * a_ptrs[0].shape[0])
+    else:
+        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, slot, step, 1, BK, U, PART, True,
+                     HALF * a_ptrs.shape[0])
+
+
+@gluon.jit
 def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, FP8: gl.constexpr):
+               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, FP8: gl.constexpr,
+               extra=None, XR: gl.constexpr = 0):
     """Ring step ``c`` of one warpgroup of a wide program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
     its scale word ``cur_w``: the MMA (``FP8``: one per K32 block) of the codes loaded before (the next step's are
     loaded while it runs, if ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both
     warpgroups' MMAs on it completed: before this step's MMA went out, each would wait for the other's MMA before
     converting) with K step ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The callers split their
     K loops so that these conditions are mostly compile-time constants: a runtime test per step costs instructions in
-    every step."""
+    every step. ``XR`` extra rows (W4A16): ``act``, ``a_ptrs``, ``ok`` and ``acc`` are pairs (``_wide_copy``), and
+    where the tile holds them (``extra``) a second MMA multiplies the same converted operand by them."""
     NB: gl.constexpr = BK // 32
     s = c % S
     if FP8:  # each block's scale byte, its E4M3 table from it and the row's addends ``fac0`` (``_e4m3_addends``)
@@ -265,31 +368,71 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
             codes = _fragment_bytes(packed.index(t), BM, BK, U)
         else:
             codes = _fragment_words(packed.index(t), BM, BK, WL)
-    rows = act.index(s)
-    if FP8:  # one FP8 wgmma per K32 block, chained
-        ops = _e4m3_operands(cur, b, fac0[0], fac0[1], BM, BK, DOT)
-        acc = _fp8_chain(ops, rows, acc, NB)
+    if XR > 0:
+        acc = _wide_mma_extra(packed, act, loaded, consumed, _bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), acc,
+                              extra, c, w_ptrs, a_ptrs, ok, refill_step, row_bytes, refill, BK, S, U, HALF, XR)
     else:
-        acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
-                            is_async=True)
-    if refill:
-        if c > 0:
-            mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
-        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, 0, row_bytes, (c + S - 1) % S, refill_step, 1, BK, U, 0,
-                     True, HALF * a_ptrs.shape[0])
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    if FP8:  # (the FP8 operands' registers live until the MMAs read them: ``_keep_alive``)
-        for j in gl.static_range(NB):
-            _keep_alive(ops[j])
+        rows = act.index(s)
+        if FP8:  # one FP8 wgmma per K32 block, chained
+            ops = _e4m3_operands(cur, b, fac0[0], fac0[1], BM, BK, DOT)
+            acc = _fp8_chain(ops, rows, acc, NB)
+        else:
+            acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
+                                is_async=True)
+        if refill:
+            _wide_refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, c, refill_step, row_bytes, BK, S, U, HALF,
+                         XR)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if FP8:  # (the FP8 operands' registers live until the MMAs read them: ``_keep_alive``)
+            for j in gl.static_range(NB):
+                _keep_alive(ops[j])
     mbarrier.arrive(consumed.index(s))
     return codes, acc
+
+
+@gluon.jit
+def _wide_refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, c, refill_step, row_bytes, BK: gl.constexpr,
+                 S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr, XR: gl.constexpr):
+    """``_wide_step``'s refill: the slot step c - 1 read, once both warpgroups' MMAs on it completed."""
+    if c > 0:
+        mbarrier.wait(consumed.index((c - 1) % S), ((c - 1) // S) & 1)
+    _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, ok, row_bytes, (c + S - 1) % S, refill_step, BK, U, HALF, XR)
+
+
+@gluon.jit
+def _wide_mma_extra(packed, act, loaded, consumed, op, acc, extra, c, w_ptrs, a_ptrs, ok, refill_step, row_bytes,
+                    refill, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr, HALF: gl.constexpr,
+                    XR: gl.constexpr):
+    """``_wide_step``'s MMAs with ``XR`` extra rows (W4A16): the BF16 operand ``op`` times the slot's BT rows and, where
+    the tile holds extra rows (``extra``, the same for every step of a tile), times its extra rows into the second
+    accumulator; the refill between issue and wait as without them. Each branch waits for its own MMAs (an async
+    result does not leave a branch)."""
+    s = c % S
+    MMA_X: gl.constexpr = _small_mma_layout(XR, False)
+    DOT_X: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_X, k_width=2)
+    acc_m, acc_x = acc
+    if extra:
+        acc_m = warpgroup_mma(op, act[0].index(s).permute((1, 0)), acc_m, is_async=True)
+        acc_x = warpgroup_mma(gl.convert_layout(op, DOT_X, assert_trivial=True), act[1].index(s).permute((1, 0)),
+                              acc_x, is_async=True)
+        if refill:
+            _wide_refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, c, refill_step, row_bytes, BK, S, U, HALF,
+                         XR)
+        acc_m, acc_x = warpgroup_mma_wait(0, deps=(acc_m, acc_x))
+    else:
+        acc_m = warpgroup_mma(op, act[0].index(s).permute((1, 0)), acc_m, is_async=True)
+        if refill:
+            _wide_refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, c, refill_step, row_bytes, BK, S, U, HALF,
+                         XR)
+        acc_m = warpgroup_mma_wait(0, deps=(acc_m, ))
+    return acc_m, acc_x
 
 
 @gluon.jit
 def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
                      SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr,
-                     FP8: gl.constexpr):
+                     FP8: gl.constexpr, extra=None, XR: gl.constexpr = 0):
     """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
     tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
     the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
@@ -300,7 +443,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
         for g in gl.static_range(G):
             codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
                                     w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
-                                    WL, DOT, FP8)
+                                    WL, DOT, FP8, extra, XR)
     return codes, acc, nxt_w
 
 
@@ -308,7 +451,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                      S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                     DOT: gl.constexpr, FP8: gl.constexpr):
+                     DOT: gl.constexpr, FP8: gl.constexpr, extra=None, XR: gl.constexpr = 0):
     """The last ``_wide_tail_groups`` scale-load groups of a wide tile's K loop, unrolled: which of their steps refill
     the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
     program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
@@ -326,15 +469,15 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
             if tg * G + g + S - 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
                                         a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
-                                        BK, S, U, HALF, WL, DOT, FP8)
+                                        BK, S, U, HALF, WL, DOT, FP8, extra, XR)
             elif tg * G + g + 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
-                                        S, U, HALF, WL, DOT, FP8)
+                                        S, U, HALF, WL, DOT, FP8, extra, XR)
             else:  # the tile's last step: the next tile's first codes
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
-                                        BK, S, U, HALF, WL, DOT, FP8)
+                                        BK, S, U, HALF, WL, DOT, FP8, extra, XR)
     return codes, acc, nxt_w
 
 
@@ -342,17 +485,17 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                  S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                 DOT: gl.constexpr, FP8: gl.constexpr):
+                 DOT: gl.constexpr, FP8: gl.constexpr, extra=None, XR: gl.constexpr = 0):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
     Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
                                          num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok, row_bytes, BM,
-                                         BK, S, U, SB, HALF, WL, DOT, FP8)
+                                         BK, S, U, SB, HALF, WL, DOT, FP8, extra, XR)
     return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
                             a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, SB,
-                            HALF, WL, DOT, FP8)
+                            HALF, WL, DOT, FP8, extra, XR)
 
 
 @gluon.constexpr_function
@@ -396,7 +539,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      staging, first, end, N, K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                      BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
                      U: gl.constexpr, SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr,
-                     FP8: gl.constexpr, HALF: gl.constexpr):
+                     FP8: gl.constexpr, HALF: gl.constexpr, XR: gl.constexpr):
     """One warpgroup of the persistent wide GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
@@ -406,8 +549,11 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     global memory is loaded a tile ahead or at the tile's start (each tile's expert, row factors, each slot's route and
     routing weight); routes and weights go through ``cols`` (by tile parity; in the accumulator's layout they would take
     128 registers), and the BF16 results through ``staging`` [BT, BM], so that each thread stores whole 16-B pieces
-    of output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread)."""
+    of output rows (from the accumulator's layout: one 2-byte store per value, 128 per thread). ``XR`` extra rows: a
+    tile is BT + XR slots, the last XR multiplied only where its slot BT holds a route (``_wide_mma_extra``) and stored
+    from the accumulator's layout; ``staging`` then holds half a tile (``_wide_gemm2_tile``)."""
     R: gl.constexpr = BT // 2
+    TS: gl.constexpr = BT + XR  # route-pack slots per tile
     S: gl.constexpr = NUM_STAGES
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)
@@ -426,17 +572,23 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     a_off = ((HALF * R + gl.arange(0, R, layout=gl.SliceLayout(1, AL)))[:, None] * stride_a
              + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
     # the first tile: its copies (weights before the wait for GEMM1 with EARLY_WEIGHTS), its first scale word
-    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, BT)
+    expert, n0, w_row0, slot0 = _tile_origin(tile_expert_ptr, first // n_blocks, first % n_blocks, N, 1, 2 * BM, TS)
     w_row0 += _second_half(HALF, BM, N, n0, REPEAT_LAST)
     w_ptrs, row_bytes = _weight_pointers(w_ptr, w_row0, K, BM, BK, U)
     a_ptrs = a_ptr + slot0.to(gl.int64) * stride_a + a_off
+    extra = None
+    if XR > 0:  # (pairs: ``_wide_copy``) the extra rows' offsets, as ``a_off``
+        ax_off = ((BT + HALF * (XR // 2) + _extra_slots(a_ptr.dtype.element_ty, BK, XR))[:, None] * stride_a
+                  + gl.arange(0, BK, layout=gl.SliceLayout(0, AL))[None, :])
+        a_ptrs = (a_ptrs, a_ptr + slot0.to(gl.int64) * stride_a + ax_off)
+        extra = gl.load(sorted_routes_ptr + slot0 + BT) >= 0
     for j in gl.static_range(S - 1):
-        _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U,
-                     1 if EARLY_WEIGHTS else 0, True, HALF * R)
+        _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, None, row_bytes, j, j, BK, U, HALF, XR,
+                   1 if EARLY_WEIGHTS else 0)
     _wait_for_previous_kernel()
     if EARLY_WEIGHTS:
         for j in gl.static_range(S - 1):
-            _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, None, 0, row_bytes, j, j, 1, BK, U, 2, True, HALF * R)
+            _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, None, row_bytes, j, j, BK, U, HALF, XR, 2)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
     nxt_w = _scale_load(w_rows)
     fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
@@ -464,19 +616,27 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         # (used at the end of this tile), its slots' routes; the expert of the one after it
         has_next = tile + stride < end
         nt = gl.minimum(tile + stride, end - 1)
-        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, BT)
+        expert_n, n0_n, w_row0_n, slot0_n = _origin(expert_n, nt // n_blocks, nt % n_blocks, N, 1, 2 * BM, TS)
         w_row0_n += _second_half(HALF, BM, N, n0_n, REPEAT_LAST)
         expert_nn = gl.load(tile_expert_ptr + gl.minimum(tile + 2 * stride, end - 1) // n_blocks).to(gl.int64)
         w_ptrs_n = _weight_pointers(w_ptr, w_row0_n, K, BM, BK, U)[0]
         a_ptrs_n = a_ptr + slot0_n.to(gl.int64) * stride_a + a_off
+        extra_n = None
+        if XR > 0:
+            a_ptrs_n = (a_ptrs_n, a_ptr + slot0_n.to(gl.int64) * stride_a + ax_off)
+            extra_n = gl.load(sorted_routes_ptr + slot0_n + BT) >= 0
         w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
         ref_n = gl.load(ref_ptr + w_row0_n + sm)
         e_routes_n = gl.load(sorted_routes_ptr + slot0_n + offs_e)
+        # (with extra rows: where their epilogue reads the routes and weights)
+        extra_out = (sorted_routes_ptr, topk_weights_ptr, slot0 + BT) if XR > 0 else None
         codes, nxt_w = _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols,
                                         staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes,
                                         has_next, w_rows_n, w_ptrs_n, a_ptrs_n, row_ref, bias, gs, e_routes, e_weights,
                                         e_scales, n0, n_tiles & 1, N, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8,
-                                        HALF)
+                                        HALF, extra, extra_out, XR)
+        if XR > 0:
+            extra = extra_n
         c += num_k
         n_tiles += 1
         expert = expert_n
@@ -497,12 +657,14 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
                      row_ref, bias, gs, e_routes, e_weights, e_scales, n0, p, N, HAS_BIAS: gl.constexpr,
                      BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr,
-                     U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr):
+                     U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr, extra=None,
+                     extra_out=None, XR: gl.constexpr = 0):
     """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop, whose last steps refill the ring with the next
     tile's first ones, then the epilogue of its ``BT`` slots (routes and routing weights in ``cols`` at tile parity
     ``p``): row factors, global scale ``gs``, bias and routing weight (as _epilogue), in pieces of at most 128 routed
-    rows, into ``staging``; then the routed rows' 16-B pieces to the output. Returns the codes loaded for the next step
-    and the next scale load."""
+    rows, into ``staging``; then the routed rows' 16-B pieces to the output (piece by piece where ``staging`` holds one
+    piece: with ``XR`` extra rows; those, where the tile holds them, from the accumulator's layout with the routes and
+    weights at ``extra_out``). Returns the codes loaded for the next step and the next scale load."""
     PIECES: gl.constexpr = 2 if BT > 128 else 1
     PR: gl.constexpr = BT // PIECES
     MMA: gl.constexpr = _small_mma_layout(BT, FP8)
@@ -512,9 +674,16 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
     ROWS: gl.constexpr = gl.SliceLayout(1, HM)
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
     acc = gl.zeros((BM, BT), gl.float32, MMA)
+    if XR > 0:
+        acc = (acc, gl.zeros((BM, XR), gl.float32, _small_mma_layout(XR, False)))
     codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c, num_k, w_ptrs,
                                      a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, None, BM, BK, S,
-                                     U, SB, HALF, WL, DOT, FP8)
+                                     U, SB, HALF, WL, DOT, FP8, extra, XR)
+    if XR > 0:
+        acc, acc_x = acc
+        if extra:
+            _wide_gemm2_extra_out(acc_x, extra_out[0], extra_out[1], out_ptr, stride_out, row_ref, bias, gs,
+                                  extra_out[2], n0 + HALF * BM, N, HAS_BIAS, BM, XR, OUT_I64)
     cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
     cols.index(2 * p + 1).store(e_weights)
     if FP8:
@@ -536,16 +705,53 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
         if HAS_BIAS:
             y += bias[:, None]
         y = y * weights[None, :]
-        staging.slice(h * PR, PR).permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
-    routes = cols.index(2 * p).slice(0, BT).load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
+        if staging.shape[0] < BT:  # this piece's rows out before the next piece takes ``staging``
+            staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+            _staged_rows_out(staging, cols.index(2 * p).slice(h * PR, PR), out_ptr, stride_out, n0 + HALF * BM, N, BM,
+                             OUT_I64, OL)
+        else:
+            staging.slice(h * PR, PR).permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
+    if staging.shape[0] == BT:
+        _staged_rows_out(staging, cols.index(2 * p).slice(0, BT), out_ptr, stride_out, n0 + HALF * BM, N, BM, OUT_I64,
+                         OL)
+    return codes, nxt_w
+
+
+@gluon.jit
+def _staged_rows_out(staging, routes_s, out_ptr, stride_out, n0, N, BM: gl.constexpr, OUT_I64: gl.constexpr,
+                     OL: gl.constexpr):
+    """A wide GEMM2's staged results [rows, BM] to their routes' output rows (``routes_s``: the routes as FP32 bits,
+    -1 for padding), output columns ``n0 ..`` below N, in 16-B pieces of rows."""
+    routes = routes_s.load(gl.SliceLayout(1, OL)).to(gl.int32, bitcast=True)
     row_ok = routes >= 0
-    offs_n = n0 + HALF * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+    offs_n = n0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
     if OUT_I64:
         out_ptrs = out_ptr + gl.where(row_ok, routes, 0).to(gl.int64)[:, None] * stride_out + offs_n[None, :]
     else:
         out_ptrs = out_ptr + (gl.where(row_ok, routes, 0)[:, None] * stride_out + offs_n[None, :])
-    gl.store(out_ptrs, staging.slice(0, BT).load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
-    return codes, nxt_w
+    gl.store(out_ptrs, staging.load(OL), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@gluon.jit
+def _wide_gemm2_extra_out(acc_x, sorted_routes_ptr, topk_weights_ptr, out_ptr, stride_out, row_ref, bias, gs, slot0,
+                          n0, N, HAS_BIAS: gl.constexpr, BM: gl.constexpr, XR: gl.constexpr, OUT_I64: gl.constexpr):
+    """A wide GEMM2 warpgroup's epilogue of the extra slots ``slot0 ..`` (W4A16; output columns ``n0 ..``): row factors,
+    global scale, bias and routing weight as the tile's, stored from the accumulator's layout."""
+    MMA_X: gl.constexpr = _small_mma_layout(XR, False)
+    ROWS_X: gl.constexpr = gl.SliceLayout(1, MMA_X)
+    routes = gl.load(sorted_routes_ptr + slot0 + gl.arange(0, XR, layout=gl.SliceLayout(0, MMA_X)))
+    row_ok = routes >= 0
+    weights = gl.load(topk_weights_ptr + routes, mask=row_ok, other=0.0)
+    y = acc_x * gl.convert_layout(_row_factors(row_ref, False), ROWS_X)[:, None] * gs
+    if HAS_BIAS:
+        y += gl.convert_layout(bias, ROWS_X)[:, None]
+    y = y * weights[None, :]
+    offs_n = n0 + gl.arange(0, BM, layout=ROWS_X)
+    if OUT_I64:
+        out_ptrs = out_ptr + gl.where(row_ok, routes, 0).to(gl.int64)[None, :] * stride_out + offs_n[:, None]
+    else:
+        out_ptrs = out_ptr + (gl.where(row_ok, routes, 0)[None, :] * stride_out + offs_n[:, None])
+    gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (offs_n < N)[:, None])
 
 
 @gluon.jit
@@ -554,7 +760,7 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
                 EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, FP8: gl.constexpr,
-                HALF_REGS: gl.constexpr):
+                HALF_REGS: gl.constexpr, XR: gl.constexpr):
     """GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
@@ -565,26 +771,28 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
     # (the route pack is complete: GEMM1 waited for it)
     end = _column_blocks(N, 2 * BM, REPEAT_LAST) * gl.load(num_tiles_ptr)
     if first < end:
-        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES)
+        act, packed_0, packed_1, loaded, consumed = _wide_ring(a_ptr.dtype.element_ty, BM, BT, BK, NUM_STAGES, XR)
         # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
         # stores and loads of them: Triton's shared-memory barrier pass)
         FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         CW: gl.constexpr = 8 if FP8 else 4  # W4A8 also each slot's row scale (rows 4 + parity; 8: a power of two)
         cols_0 = gl.allocate_shared_memory(gl.float32, [CW, BT], FL)
         cols_1 = gl.allocate_shared_memory(gl.float32, [CW, BT], FL)
-        # each warpgroup's BF16 results of a tile, the routed rows' 16-B pieces then stored from here
-        OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BM], out_ptr.dtype.element_ty)
-        staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
-        staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BT, BM], OUT_SL)
+        # each warpgroup's BF16 results of a tile (with extra rows: of half a tile, for their ring's shared memory),
+        # the routed rows' 16-B pieces then stored from here
+        SR: gl.constexpr = BT if XR == 0 else BT // 2
+        OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SR, BM], out_ptr.dtype.element_ty)
+        staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [SR, BM], OUT_SL)
+        staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [SR, BM], OUT_SL)
         gl.warp_specialize([
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
                                 act, loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
-                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 0)),
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 0, XR)),
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
                                 act, loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
-                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 1)),
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 1, XR)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -596,7 +804,7 @@ def moe_gemm_wide_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    REPEAT_LAST: gl.constexpr = False, FP8: gl.constexpr = False,
+    REPEAT_LAST: gl.constexpr = False, FP8: gl.constexpr = False, EXTRA_ROWS: gl.constexpr = 0,
 ):
     """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; 128 and ``FP8`` by override), persistent: a
     1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the
@@ -605,7 +813,10 @@ def moe_gemm_wide_kernel(
     ``SCALE_BYTES``: the scale bytes per load, 4 (a word, K % 128 == 0) or 2 (K % 128 == 64: a row's bytes start 2-byte
     aligned). ``REPEAT_LAST`` (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's
     rows, unstored. Arguments in the bundles of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack``
-    the route pack, ``out`` the output, ``dims`` the sizes and activation parameters."""
+    the route pack, ``out`` the output, ``dims`` the sizes and activation parameters. ``EXTRA_ROWS`` (W4A16, 256-row
+    tiles): each tile is BT + EXTRA_ROWS route-pack slots, the extra rows multiplied by the same converted weights in
+    a second MMA where the tile holds them (``_wide_mma_extra``): an expert of up to 288 rows takes one tile, not
+    two."""
     a_ptr, a_scale_ptr, stride_a = a
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
@@ -613,6 +824,7 @@ def moe_gemm_wide_kernel(
     N, K, top_k, limit, alpha = dims
     gl.static_assert(BM == 64 and (BT == 256 or BT == 128) and gl.num_warps() == 4)
     gl.static_assert(not EARLY_WEIGHTS or not GEMM1)
+    gl.static_assert(EXTRA_ROWS == 0 or (EXTRA_ROWS == 32 and BT == 256 and not FP8))
     if not EARLY_WEIGHTS:
         _wait_for_previous_kernel()
     if GEMM1:
@@ -620,9 +832,9 @@ def moe_gemm_wide_kernel(
         _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                     SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, FP8,
-                    SPLIT_REGS)
+                    SPLIT_REGS, EXTRA_ROWS)
     else:
         _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE,
                     BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, FP8,
-                    SPLIT_REGS)
+                    SPLIT_REGS, EXTRA_ROWS)
