@@ -333,16 +333,17 @@ def test_wide_tiles(per_expert, E, H, fp8, wide):
     """W4A16 prefill with more than 132 rows per expert: 256-row route tiles, GEMM1 persistent on two warpgroups,
     GEMM2 persistent on two warpgroups (or on the tiles' 128-row halves with its two-block form); both GEMMs read one
     pack of 256-row tiles."""
-    from mxmoe._details.config import WIDE_ROWS, gemm_config
+    from mxmoe._details.config import WIDE_ROWS, gemm_config, pack_shape
 
     rows = int(per_expert * E)
     g1 = gemm_config(rows, E, 1024, H, fp8, kernel="gluon_small", gemm1=True)
     g2 = gemm_config(rows, E, H, 1024, fp8, kernel="gluon_small", gemm1=False)
     assert g1.wide is wide and (g1.block_rows == WIDE_ROWS) is wide
-    assert g1.block_rows * g1.sub_tiles == g2.block_rows * g2.sub_tiles
+    assert pack_shape(g1) == pack_shape(g2)
     if wide:
-        # GEMM1 persistent too, 5 stages, 255 registers (232 spill the next tile's copy state)
-        assert g1.maxnreg == 255 and g1.num_stages == 5
+        # GEMM1 persistent too, 5 stages (4 with the extra rows' ring), 255 registers (232 spill the next tile's
+        # copy state)
+        assert g1.maxnreg == 255 and g1.num_stages == (4 if g1.extra_rows else 5)
         # GEMM2 persistent on the wide tiles (H % 128 == 64: its last program's second half repeats the first)
         assert g2.wide and g2.block_rows == WIDE_ROWS and g2.sub_tiles == 1 and not g2.pair and g2.maxnreg == 255
         with pytest.raises(ValueError, match="no pair"):
@@ -534,3 +535,33 @@ def test_environment_reads_follow_os_environ(monkeypatch):
     assert fp8_min_rows() == 128
     monkeypatch.delenv("MXMOE_FP8_PREFILL_MIN_ROWS")
     assert fp8_min_rows() == 0
+
+
+@pytest.mark.parametrize("E,T,top_k,H,I,extra", [
+    (128, 8192, 4, 2880, 2880, True),    # gpt-oss-120b: 256 +- 16 rows per expert (H100: -18 to -20 %, step 52)
+    (32, 4096, 4, 2880, 2880, True),     # gpt-oss-20b: 512 +- 22 (-6 %)
+    (32, 2048, 4, 2880, 2880, True),     # 256 +- 16
+    (32, 8192, 4, 2880, 2880, False),    # 1024 +- 32: few tiles saved (+1 to +3 % with them)
+    (288, 8192, 8, 4096, 1024, False),   # the reference shape: 228 rows (+5 % with them)
+    (128, 6144, 4, 2880, 2880, False),   # 192 rows: one tile per expert either way
+    (128, 8192, 4, 2880, 128, False),    # I = 128: GEMM2 on the tiles' 128-row halves (one pack: none for GEMM1)
+])
+def test_wide_extra_rows_where_tiles_drop(E, T, top_k, H, I, extra):
+    """The wide tiles' 32 extra rows (W4A16) where uniform routing puts experts' rows just past a multiple of 256
+    (``wide_extra_rows``); both GEMMs read one pack; W4A8 and 128-row tiles never take them, and an override asking
+    for them there is refused."""
+    from mxmoe._details.config import WIDE_EXTRA, gemm_config, pack_shape
+
+    rows = T * top_k
+    g1 = gemm_config(rows, E, I, H, False, kernel="gluon_small", gemm1=True)
+    g2 = gemm_config(rows, E, H, I, False, kernel="gluon_small", gemm1=False)
+    assert g1.wide and pack_shape(g1) == pack_shape(g2)
+    assert g1.extra_rows == (WIDE_EXTRA if extra else 0)
+    if extra:
+        assert pack_shape(g1) == (256 + WIDE_EXTRA, WIDE_EXTRA) and g1.num_stages == 4 and g2.num_stages == 4
+    assert gemm_config(rows, E, I, H, False, {"extra_rows": 0}, kernel="gluon_small").extra_rows == 0
+    for bad in ({"extra_rows": 32, "block_rows": 128}, {"extra_rows": 16}):
+        with pytest.raises(ValueError, match="extra_rows"):
+            gemm_config(rows, E, I, H, False, bad, kernel="gluon_small")
+    with pytest.raises(ValueError, match="extra_rows"):
+        gemm_config(rows, E, I, H, True, {"extra_rows": 32, "block_rows": 256, "wide": True}, kernel="gluon_small")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
@@ -348,12 +349,42 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool, fp8: bool) -> None:
     bk = cfg["block_k"]
     if gemm1:  # (W4A8 at K % 128 == 0, two steps per scale word: 5 stages spill 16 B)
         cfg.update(wide=True, maxnreg=255, num_stages=4 if fp8 and k % 128 == 0 else 5)
-    elif k // bk >= wide_tail_steps(bk, 4, wide_scale_bytes(cfg["scale_words"])):
+    elif _wide_gemm2_fits(k, bk):
         cfg.update(wide=True, maxnreg=255, num_stages=4)
     else:
         cfg.update(block_rows=128, sub_tiles=2, block_k=64)
     while cfg["wide"] and wide_shared_bytes(GemmConfig(**cfg), gemm1, fp8) > SHARED_MAX:
         cfg["num_stages"] -= 1
+
+
+def _wide_gemm2_fits(k: int, block_k: int = 64) -> bool:
+    """Whether GEMM2 of reduction length ``k`` runs the wide kernel (its unrolled last steps at 4 stages), not the
+    128-row halves of the wide tiles."""
+    return k // block_k >= wide_tail_steps(block_k, 4, wide_scale_bytes(k % 128 == 0))
+
+
+WIDE_EXTRA_GAIN = 0.93  # the extra rows' tile cost at most this fraction of the 256-row tiles' (step 52: +5-9 % per tile)
+
+
+@functools.lru_cache(maxsize=1024)
+def wide_extra_rows(rows: int, num_experts: int) -> int:
+    """``WIDE_EXTRA`` where the wide tiles' extra rows pay for ``rows`` routed rows (else 0): under uniform routing
+    (each expert's rows about normal, mean m = rows / E, variance m (1 - 1/E)) the expected tile costs, a tile with
+    more than 256 rows counted 1 + 32/256 (its second MMA), at most ``WIDE_EXTRA_GAIN`` of the 256-row tiles'. A
+    tile costs the same whatever its rows (perf-notes step 52), so the extra rows pay where experts' rows sit just past
+    a multiple of 256 (gpt-oss-120b at T=8192: 256 +- 16) and cost their overhead elsewhere (the reference shape at
+    T=8192, 228 rows: +5 %)."""
+    m = rows / max(num_experts, 1)
+    sd = max(math.sqrt(m * (1 - 1 / max(num_experts, 1))), 1e-9)
+    base = cost = total = 0.0
+    for r in range(max(int(m - 6 * sd), 0), int(m + 6 * sd) + 2):
+        p = math.exp(-0.5 * ((r - m) / sd) ** 2)
+        total += p
+        base += p * -(-r // WIDE_ROWS)
+        tiles = -(-max(r - WIDE_EXTRA, 1) // WIDE_ROWS) if r else 0
+        last = r - (tiles - 1) * WIDE_ROWS
+        cost += p * (tiles + (WIDE_EXTRA / WIDE_ROWS if tiles and last > WIDE_ROWS else 0))
+    return WIDE_EXTRA if total and cost < WIDE_EXTRA_GAIN * base else 0
 
 
 def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: bool, sm_count: int,
@@ -418,7 +449,11 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
     if bt == WIDE_ROWS or override.get("wide"):
-        cfg["extra_rows"] = override.pop("extra_rows", 0)  # (before the stages: its ring takes shared memory)
+        # (before the stages: their ring takes shared memory; only where GEMM2 runs the wide kernel, whose K is
+        # GEMM1's N: both read one pack)
+        extra = (bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(n if gemm1 else k)
+                 and wide_extra_rows(rows, num_experts))
+        cfg["extra_rows"] = override.pop("extra_rows", extra)
         _wide_knobs(cfg, k, gemm1, fp8)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
     if fp8 and not cfg["wide"]:
