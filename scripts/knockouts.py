@@ -4,7 +4,8 @@ are wrong by construction; only its kernel times mean anything.
 
     python3 scripts/knockouts.py E,H,I,TOPK T ['{config override}']     # from the repository root, on a GPU
 
-Knockouts: ``ko_act`` no activation copies (the ring's activation slots stay stale; their ``loaded`` arrivals stay),
+Knockouts: ``ko_act`` no activation copies (the ring's activation slots stay stale; their ``loaded`` arrivals and the
+extra rows' copies stay),
 ``ko_conv`` a constant MMA operand instead of the weight conversion (the code loads go dead with it), ``ko_act_conv``
 both. The copies live in /tmp/mxmoe_knockouts (rebuilt each run; each registers its own custom-op namespace)."""
 import importlib
@@ -21,9 +22,9 @@ KNOCKOUTS = {
                 "            _async_load(stage, a_ptrs + step * BK)\n        else:\n"
                 "            _async_load(stage, a_ptrs + step * BK, mask=ok[:, None])\n",
                 "            pass\n        else:\n            pass\n")],
-    "ko_conv": [("_details/sm90_wide.py",
-                 "        ops = _bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0)\n",
-                 "        ops = gl.full([BM, BK], 1.0, gl.bfloat16, DOT)\n")],
+    "ko_conv": [("_details/sm90_wide.py", "_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0)" + after,
+                 "gl.full([BM, BK], 1.0, gl.bfloat16, DOT)" + after)
+                for after in (", rows.permute", ", acc,\n")],  # (the step's MMA, and with extra rows both MMAs')
 }
 KNOCKOUTS["ko_act_conv"] = KNOCKOUTS["ko_act"] + KNOCKOUTS["ko_conv"]
 

@@ -52,9 +52,6 @@ def test_every_kind_of_config_is_compiled(reports):
     # and on the wide tiles
     assert {r["config"]["wide"] for r in small if not r["gemm1"] and r["n"] % 128 == 64
             and (r["config"]["pair"] or r["config"]["wide"])} == {True, False}
-    # W4A8 on the wide kernels, both GEMMs, both scale-load sizes
-    assert {(r["gemm1"], r["config"]["scale_words"]) for r in small if r["fp8"] and r["config"]["wide"]} == \
-        {(g, w) for g in (True, False) for w in (True, False)}
     assert {r["config"]["scale_words"] for r in small} == {True, False}
     # W4A16 with scale words on one K32 block per step (per-block factors) and on two or four (paired factors)
     assert {r["config"]["block_k"] for r in small if not r["fp8"] and r["config"]["scale_words"]} >= {32, 64, 128}
@@ -92,12 +89,10 @@ def _uses_wgmma_without_spills(r):
     pairs_128 = r["config"]["pair"] and r["config"]["block_rows"] == 128 and (r["fp8"] or r["k"] % 128)
     # The W4A8 prefill kernel's consumers spill in their epilogue (GEMM2's two m-tiles, up to 228 bytes at K = 2880, at
     # 216-224 registers), once per tile, never in the K loop (asserted below)
-    # W4A8 on the wide GEMM1 (FP32 outputs staged) spills 16 bytes with SiLU at K = 2880, outside its K loop
-    wide_w4a8_gemm1 = r["fp8"] and r["gemm1"] and r["config"]["wide"]
     # The wide W4A16 tiles with extra rows (a second accumulator) spill outside the K loop: 24 / 48 bytes (GEMM1 /
     # GEMM2) at K = 2880, 120 / 160 with scale words (the reference shape)
     extra_rows = r["config"]["extra_rows"] > 0
-    budget = {"gluon_ws8": 256}.get(r["kernel"], 160 if extra_rows else 32 if pairs_128 or wide_w4a8_gemm1 else 0)
+    budget = {"gluon_ws8": 256}.get(r["kernel"], 160 if extra_rows else 32 if pairs_128 else 0)
     if r["kernel"] != "gluon_ws8" or gluon_validated(triton.__version__):
         assert r["spill_bytes"] <= budget, r
     assert r["k_loop_length"] > 0 and r["k_loop_local"] == 0, r

@@ -398,7 +398,7 @@ def test_wide_tiles(kind, ids_dtype, T):
     steps, GEMM2 none); ``short_k_halves``: H = 448 and I = 192, the fewest with 16-bit scale loads (K % 128 == 64;
     GEMM2 none before its unrolled last steps);
     ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
-    hot experts on 128, uniform routes on 32. Each tiling (also the wide kernels on 128-row tiles; NaN-filled
+    hot experts on 128, uniform routes on 32. Each tiling (also the wide tiles with their 32 extra rows; NaN-filled
     intermediates) against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
@@ -425,10 +425,8 @@ def test_wide_tiles(kind, ids_dtype, T):
         ids, w = routing(T, top_k, E, kind=route_kind, ids_dtype=ids_dtype, seed=7)
     outs = []
     wide, halves, narrow = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2), dict(block_rows=128)
-    # the wide kernels on 128-row tiles
-    wide1_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=5)
-    wide2_128 = dict(block_rows=128, wide=True, maxnreg=255, num_stages=4, pair=False)
-    arms = ((wide, wide), (wide, halves), (narrow, narrow), (wide1_128, wide2_128))
+    extra = dict(wide, extra_rows=config.WIDE_EXTRA)
+    arms = ((wide, wide), (wide, halves), (narrow, narrow), (extra, extra))
     for gemm1, gemm2 in arms:
         with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
@@ -438,50 +436,6 @@ def test_wide_tiles(kind, ids_dtype, T):
             assert g1.wide is (gemm1 is not narrow) and g2.wide is (gemm2 not in (halves, narrow))
             outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-
-
-@gluon_only
-@pytest.mark.parametrize("kind,ids_dtype,T", [("gpt_oss_120b", torch.int64, 700), ("gpt_oss_20b", torch.int32, 1500),
-                                              ("ref", torch.int32, 700), ("masked", torch.int64, 700),
-                                              ("biases_and_global_scales", torch.int32, 700)])
-def test_wide_w4a8(kind, ids_dtype, T):
-    """W4A8 on the wide kernels (set by overrides, so that these T take them): FP8 chains over all of K, each block's
-    scale folded into its E4M3 weights. SPEC §5's layer bounds (``check``) on 256-row tiles and on 128-row tiles,
-    bitwise equal (the same chain of MMAs per output). gpt-oss shapes with hot (120b) and uniform (20b) routes, the
-    reference shape with hot, masked routes, biases and per-expert global scales."""
-    import dataclasses
-
-    from mxmoe._details import config
-
-    E, H, I, top_k = SHAPES["ref"]
-    if kind.startswith("gpt_oss"):
-        E, H, I, top_k = (128 if kind == "gpt_oss_120b" else 32), 2880, 2880, 4
-    ex = gpu_experts(E, H, I, biases=kind == "biases_and_global_scales")
-    assert ex.all_fold
-    if kind == "biases_and_global_scales":
-        g = torch.Generator(device="cuda").manual_seed(11)
-        ex = dataclasses.replace(ex, w13_global_scale=torch.rand(E, generator=g, device="cuda") + 0.5,
-                                 w2_global_scale=torch.rand(E, generator=g, device="cuda") + 0.5)
-    x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
-    route_kind = {"gpt_oss_120b": "hot", "gpt_oss_20b": "uniform", "ref": "hot", "masked": "masked"}.get(kind, "hot")
-    if route_kind == "masked":
-        ids, w = masked_routing(T, top_k, E, seed=7, ids_dtype=ids_dtype)
-    else:
-        ids, w = routing(T, top_k, E, kind=route_kind, ids_dtype=ids_dtype, seed=7)
-    wide = dict(kernel="gluon_small", block_rows=config.WIDE_ROWS, wide=True)
-    outs = []
-    for gemm in (wide, dict(wide, block_rows=128)):
-        with config.overrides(gemm=gemm) as changes:
-            ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k, fp8=True)
-            ws.intermediate.view(torch.uint8).fill_(255)  # (NaN: every row a GEMM reads must have been written)
-            g1 = config.gemm_config(T * top_k, E, I, H, True, changes.gemm1, kernel="gluon_small")
-            g2 = config.gemm_config(T * top_k, E, H, I, True, changes.gemm2, kernel="gluon_small", gemm1=False)
-            assert g1.wide and g2.wide and g1.block_k == g2.block_k == 64
-            outs.append(check(ex, x, ids, w, "w4a8", workspace=ws))
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
-    default = fused_moe(x, ex, w, ids, precision="w4a8")  # the default W4A8 kernels: bounded, not bitwise
-    print(f"wide W4A8 vs the default W4A8 kernels: relative L2 {relative_l2(outs[0], default):.2e}, "
-          f"bitwise {torch.equal(outs[0], default)}")
 
 
 @gluon_only

@@ -96,26 +96,23 @@ class GemmConfig:
             raise ValueError("pair is for GEMM2")
         if self.split_loop and (fp8 or self.wide):
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
-        if self.wide and not (self.block_rows in (128, 256) and self.k_split == 1 and self.k_parts == 1
-                              and not self.promote):
-            raise ValueError("wide takes 256- or 128-row tiles, no K split and FP8 chains over all of K")
-        if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide and self.block_rows == WIDE_ROWS
-                                    and not fp8):
+        if self.wide and not (self.block_rows == WIDE_ROWS and not fp8 and self.k_split == 1 and self.k_parts == 1):
+            raise ValueError(f"wide takes W4A16 on {WIDE_ROWS}-row tiles, no K split")
+        if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide):
             raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's {WIDE_ROWS}-row wide tiles "
                              "only")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
                                     or self.block_k > 32 * self.wide_scale_bytes)
-        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k not in ((64, 128) if fp8 else (64, ))
-                                        or self.num_stages < 3):
-            raise ValueError("the wide GEMM2 takes no pair, block_k=64 (W4A8 also 128), at least 3 stages and at least "
-                             "its unrolled last K steps")
+        if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != 64 or self.num_stages < 3):
+            raise ValueError("the wide GEMM2 takes no pair, block_k=64, at least 3 stages and at least its unrolled last "
+                             "K steps")
         if gemm1 and wide_short:
             raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
                              "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
-        if self.wide and wide_shared_bytes(self, gemm1, fp8) > SHARED_MAX:
-            raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1, fp8)} "
+        if self.wide and wide_shared_bytes(self, gemm1) > SHARED_MAX:
+            raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1)} "
                              f"bytes of shared memory, more than {SHARED_MAX}")
         if n % self.block_m:  # (pair at N % 128 == 64: the last program's second block repeats its first, unstored)
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of block_m")
@@ -128,16 +125,16 @@ class GemmConfig:
 SHARED_MAX = 232448  # sm90: shared memory per program (227 KB)
 
 
-def wide_shared_bytes(cfg: GemmConfig, gemm1: bool, fp8: bool) -> int:
-    """Shared memory of the wide kernels (``sm90_wide``), barriers left out: the activation ring (one or two bytes per
-    value), both warpgroups' packed weights and output staging (GEMM1 BM/2 columns of BF16, W4A8 FP32; GEMM2 BM of
-    BF16) and GEMM2's routes, routing weights (and W4A8's row scales)."""
-    act = cfg.num_stages * (cfg.block_rows + cfg.extra_rows) * cfg.block_k * (1 if fp8 else 2)
+def wide_shared_bytes(cfg: GemmConfig, gemm1: bool) -> int:
+    """Shared memory of the wide kernels (``sm90_wide``), barriers left out: the BF16 activation ring (its extra rows
+    too), both warpgroups' packed weights and BF16 output staging (GEMM1 BM/2 columns, GEMM2 BM) and GEMM2's routes and
+    routing weights."""
+    act = cfg.num_stages * (cfg.block_rows + cfg.extra_rows) * cfg.block_k * 2
     packed = 2 * cfg.num_stages * cfg.block_m * cfg.block_k // 2
     if gemm1:
-        return act + packed + 2 * cfg.block_rows * cfg.block_m // 2 * (4 if fp8 else 2)
+        return act + packed + 2 * cfg.block_rows * cfg.block_m // 2 * 2
     staged = cfg.block_rows // (2 if cfg.extra_rows else 1)  # (with extra rows GEMM2 stages half a tile at a time)
-    return act + packed + 2 * staged * cfg.block_m * 2 + 2 * (8 if fp8 else 4) * cfg.block_rows * 4
+    return act + packed + 2 * staged * cfg.block_m * 2 + 2 * 4 * cfg.block_rows * 4
 
 
 def wide_scale_bytes(scale_words: bool) -> int:
@@ -342,18 +339,18 @@ def _small_tile_rows(rows: int, num_experts: int, n: int, k: int, fp8: bool, gem
     return tile_rows_for(rows, num_experts, first_fill=0.75)
 
 
-def _wide_knobs(cfg: dict, k: int, gemm1: bool, fp8: bool) -> None:
+def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
     """The wide tiles: GEMM1 on two warpgroups, 5 stages (step 21); GEMM2 persistent on two warpgroups where it has
-    its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8). W4A8 (step 50) as W4A16, 64 K
-    per stage (128: 1 KB of spills at K = 4096), as many stages as fit the shared memory."""
+    its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8); as many stages as fit the shared
+    memory (with the extra rows' ring GEMM1 takes 4: the same time, step 52)."""
     bk = cfg["block_k"]
-    if gemm1:  # (W4A8 at K % 128 == 0, two steps per scale word: 5 stages spill 16 B)
-        cfg.update(wide=True, maxnreg=255, num_stages=4 if fp8 and k % 128 == 0 else 5)
+    if gemm1:
+        cfg.update(wide=True, maxnreg=255, num_stages=5)
     elif _wide_gemm2_fits(k, bk):
         cfg.update(wide=True, maxnreg=255, num_stages=4)
     else:
         cfg.update(block_rows=128, sub_tiles=2, block_k=64)
-    while cfg["wide"] and wide_shared_bytes(GemmConfig(**cfg), gemm1, fp8) > SHARED_MAX:
+    while cfg["wide"] and wide_shared_bytes(GemmConfig(**cfg), gemm1) > SHARED_MAX:
         cfg["num_stages"] -= 1
 
 
@@ -454,7 +451,7 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
         extra = (bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(n if gemm1 else k)
                  and wide_extra_rows(rows, num_experts))
         cfg["extra_rows"] = override.pop("extra_rows", extra)
-        _wide_knobs(cfg, k, gemm1, fp8)
+        _wide_knobs(cfg, k, gemm1)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
     if fp8 and not cfg["wide"]:
         _w4a8_tiles(cfg, n, k, gemm1)

@@ -2,18 +2,17 @@
 route tiles on two warpgroups, one chain of 64 x 256 each, persistent (a program per SM walking the tiles); GEMM1
 the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2 64 output columns each
 (``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps. Any
-K and N multiple of 64 (gpt-oss's 2880: 16-bit scale loads; GEMM2's last block repeats a half).
+K and N multiple of 64 (gpt-oss's 2880: 16-bit scale loads; GEMM2's last block repeats a half). With extra rows
+(``EXTRA_ROWS``) a tile is 256 + 32 route-pack slots, the last 32 multiplied only on tiles that hold them.
 
-Behind ``config`` only (docs/perf-notes.md steps 50-51): 128-row tiles, and ``FP8`` (W4A8: E4M3 operands through each
-block's table, FP8 chains over all of K).
+Measured and deleted (docs/perf-notes.md steps 50-52): 128-row tiles, a W4A8 form (E4M3 operands, FP8 chains).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .convert import FOLD_REF_MAX
-from .sm90_operands import (_bf16_operand, _e4m3_addends, _e4m3_operands, _fold_addend, _fp8_chain,
-                            _fragment_bytes, _fragment_words, _fragment_words_layout, _keep_alive, _pow2,
+from .sm90_operands import (_bf16_operand, _fold_addend, _fragment_words, _fragment_words_layout, _pow2,
                             _scale_word_factors, _scale_word_rows, _small_mma_layout)
 from .sm90_pipeline import (_act_copy_layout, _async_load, _copy_pointers, _epilogue, _epilogue_values, _issue_stage,
                             _launch_dependents, _origin, _tile_origin, _wait_for_previous_kernel, _weight_pointers)
@@ -35,7 +34,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      first, end, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                      NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                     FP8: gl.constexpr, HALF: gl.constexpr, XR: gl.constexpr):
+                     HALF: gl.constexpr, XR: gl.constexpr):
     """One warpgroup of the persistent wide GEMM1 (``_wide_gemm1``): of every tile the program walks (route tile
     ``tile // n_blocks``, BM output columns ``tile % n_blocks``), the gate and up rows of output columns ``HALF * BM/2
     ..`` (``_gate_up_rows``), one accumulator chain of BM x BT over all K steps, copying activation rows ``HALF * BT/2
@@ -77,10 +76,10 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, ok, row_bytes, j, j, BK, U, HALF, XR)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
     nxt_w = _scale_load(w_rows)
-    fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
+    fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm))
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     mbarrier.wait(loaded.index(0), 0)
-    codes = _stage_codes(packed.index(0), BM, BK, U, WL, FP8)
+    codes = _fragment_words(packed.index(0), BM, BK, WL)
     c = 0  # ring steps so far
     for tile in range(first, end, stride):
         # the next tile (the grid's last tile again where there is none): copy pointers, scale rows, row references;
@@ -100,7 +99,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
             a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
             stride_out, packed, act, loaded, consumed, staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs,
             ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0, col0, sm, a_cols, N, K, top_k,
-            limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, S, OUT_I64, U, SB, FP8, HALF, extra, XR)
+            limit, alpha, SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, S, OUT_I64, U, SB, HALF, extra, XR)
         c += num_k
         if XR > 0:
             extra = extra_n
@@ -108,7 +107,7 @@ def _wide_gemm1_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         n0 = n0_n
         w_row0 = w_row0_n
         slot0 = slot0_n
-        fac0 = _row_addends(ref_n, FP8)
+        fac0 = _row_addends(ref_n)
         expert_n = expert_nn
     return ()
 
@@ -119,16 +118,16 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, routes_n, w_row0_n, expert, n0, w_row0, slot0,
                      col0, sm, a_cols, N, K, top_k, limit, alpha, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
                      HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                     OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr,
-                     HALF: gl.constexpr, extra=None, XR: gl.constexpr = 0):
+                     OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, extra=None,
+                     XR: gl.constexpr = 0):
     """One tile of ``_wide_gemm1_half`` from ring step ``c``: its K loop, whose last steps refill the ring with the next
     tile's first ones, then the epilogue of its ``BT`` slots (and, where it holds them, its ``XR`` extra slots:
     ``routes_n`` and the copy pointers are pairs then). Returns the codes loaded for the next step, the next scale load
     and the next tile's copy pointers and scale rows."""
     C: gl.constexpr = BM // 2  # output columns
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
-    MMA: gl.constexpr = _small_mma_layout(BT, FP8)
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
+    MMA: gl.constexpr = _small_mma_layout(BT, False)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
     HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
@@ -138,7 +137,7 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         acc = (acc, gl.zeros((BM, XR), gl.float32, _small_mma_layout(XR, False)))
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          0, num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok,
-                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, FP8, extra, XR)
+                                         row_bytes, BM, BK, S, U, SB, HALF, WL, DOT, extra, XR)
     # the next tile's copy pointers for the tail's refills (made here: registers through the main steps spill)
     if XR > 0:
         ok_n = routes_n[0] >= 0
@@ -153,7 +152,7 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     w_rows_n = _scale_word_rows(s_ptr, w_row0_n, sm, K, SB)
     codes, acc, nxt_w = _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c,
                                          num_k, w_ptrs, a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n,
-                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, FP8, extra, XR)
+                                         a_ptrs_n, ok_n, BM, BK, S, U, SB, HALF, WL, DOT, extra, XR)
     if XR > 0:
         acc, acc_x = acc
         if extra:  # the extra slots: from the accumulator's layout (XR values per thread and column: no staging)
@@ -162,17 +161,16 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                                   HAS_BIAS, HAS_GSCALE, BM, XR, OUT_I64)
     # each row times its factor (``_row_factors``), then the gate and up rows apart
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
-    acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows), FP8)[:, None]
+    acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows))[:, None]
     g, u = acc.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
     g = gl.convert_layout(g.reshape([C, BT]), HL, assert_trivial=True)
     u = gl.convert_layout(u.reshape([C, BT]), HL, assert_trivial=True)
-    # the activation of every slot (W4A16: a padding slot's row too, no routes to read; W4A8: its row's scale, zero
-    # for padding) into ``staging`` [BT, C], then whole 16-B pieces of its rows to the output (from the accumulator
-    # layout: one store per value)
+    # the activation of every slot (a padding slot's row too, no routes to read) into ``staging`` [BT, C], then whole
+    # 16-B pieces of its rows to the output (from the accumulator layout: one store per value)
     y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                                                    sorted_routes_ptr, expert, w_row0 + col0, n0 + col0, slot0, N,
-                                                   top_k, limit, alpha, True, SWIGLUOAI, FP8, HAS_BIAS,
-                                                   HAS_GSCALE, C, BT, HL, False, not FP8)
+                                                   top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
+                                                   HAS_GSCALE, C, BT, HL, False, True)
     tile_staging = staging.slice(0, BT)
     tile_staging.permute((1, 0)).store(y.to(out_ptr.dtype.element_ty))
     offs_t = gl.arange(0, BT, layout=gl.SliceLayout(1, OL))
@@ -226,7 +224,7 @@ def _wide_gemm1_extra_out(acc_x, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sor
     HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
     C: gl.constexpr = BM // 2
     rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA_X)), N, col0)
-    acc_x = acc_x * _row_factors(gl.load(ref_ptr + w_row0 + rows), False)[:, None]
+    acc_x = acc_x * _row_factors(gl.load(ref_ptr + w_row0 + rows))[:, None]
     g, u = acc_x.reshape([BM // 16, 2, 8, XR]).permute((0, 2, 3, 1)).split()
     g = gl.convert_layout(g.reshape([C, XR]), HL, assert_trivial=True)
     u = gl.convert_layout(u.reshape([C, XR]), HL, assert_trivial=True)
@@ -236,32 +234,16 @@ def _wide_gemm1_extra_out(acc_x, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sor
 
 
 @gluon.jit
-def _row_addends(ref, FP8: gl.constexpr):
-    """Per weight row, from its reference byte ``ref`` (the largest scale byte): W4A16 the addend of its BF16x2 block
-    factors (``_fold_addend`` of ``_fold_ref``), W4A8 its E4M3 tables' two addends (``_e4m3_addends``)."""
-    if FP8:
-        return _e4m3_addends(ref)
-    else:
-        return _fold_addend(gl.minimum(ref, FOLD_REF_MAX))
+def _row_addends(ref):
+    """Per weight row, from its reference byte ``ref`` (the largest scale byte): the addend of its BF16x2 block
+    factors (``_fold_addend`` of ``_fold_ref``)."""
+    return _fold_addend(gl.minimum(ref, FOLD_REF_MAX))
 
 
 @gluon.jit
-def _row_factors(ref, FP8: gl.constexpr):
-    """Each weight row's factor after the K loop: W4A16 2**(r - 127) (blocks folded relative to r = ``_fold_ref``),
-    W4A8 2**(ref - 133) (its blocks folded into E4M3 as 2**(b + 6 - ref))."""
-    if FP8:
-        return _pow2(ref - 133)
-    else:
-        return _pow2(gl.minimum(ref, FOLD_REF_MAX) - 127)
-
-
-@gluon.jit
-def _stage_codes(packed_s, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, WL: gl.constexpr, FP8: gl.constexpr):
-    """A ring slot's packed weights as the conversion reads them: W4A8 bytes (``_fragment_bytes``), W4A16 words."""
-    if FP8:
-        return _fragment_bytes(packed_s, BM, BK, U)
-    else:
-        return _fragment_words(packed_s, BM, BK, WL)
+def _row_factors(ref):
+    """Each weight row's factor after the K loop: 2**(r - 127) (blocks folded relative to r = ``_fold_ref``)."""
+    return _pow2(gl.minimum(ref, FOLD_REF_MAX) - 127)
 
 
 @gluon.jit
@@ -269,7 +251,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
-                SB: gl.constexpr, FP8: gl.constexpr, HALF_REGS: gl.constexpr, XR: gl.constexpr):
+                SB: gl.constexpr, HALF_REGS: gl.constexpr, XR: gl.constexpr):
     """GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
@@ -277,7 +259,6 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
     They share the activation ring, each copying half of its rows; a slot is refilled once both warpgroups' MMAs on
     it completed (``consumed``), after this step's MMA went out (before it, each would wait for the other's MMA
     before converting). One program per SM: a program per tile would idle the SM through each tile's first loads."""
-    gl.static_assert(BT == 256 or BT == 128)
     first = gl.program_id(0)
     end = (N // BM) * gl.load(num_tiles_ptr)  # (the route pack is complete: the kernel waited for it)
     if first < end:
@@ -290,11 +271,11 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0, act,
                                 loaded, consumed, staging_0, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 0, XR)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, 0, XR)),
             (_wide_gemm1_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1, act,
                                 loaded, consumed, staging_1, first, end, N, K, top_k, limit, alpha, SWIGLUOAI, HAS_BIAS,
-                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, FP8, 1, XR)),
+                                HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, U, SB, 1, XR)),
         ], [4], [HALF_REGS])
 
 
@@ -343,10 +324,10 @@ def _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, ok, row_bytes, slot, step, B
 @gluon.jit
 def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.constexpr, w_ptrs, a_ptrs, ok,
                refill_step, row_bytes, load_next, refill, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, FP8: gl.constexpr,
-               extra=None, XR: gl.constexpr = 0):
+               U: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, extra=None,
+               XR: gl.constexpr = 0):
     """Ring step ``c`` of one warpgroup of a wide program (``_wide_gemm1_half``, ``_wide_gemm2_half``), the ``g``-th of
-    its scale word ``cur_w``: the MMA (``FP8``: one per K32 block) of the codes loaded before (the next step's are
+    its scale word ``cur_w``: the MMA of the codes loaded before (the next step's are
     loaded while it runs, if ``load_next``), then, if ``refill``, the slot step c - 1 read is refilled (once both
     warpgroups' MMAs on it completed: before this step's MMA went out, each would wait for the other's MMA before
     converting) with K step ``refill_step`` of ``w_ptrs``/``a_ptrs`` (rows ``ok``; None: all). The callers split their
@@ -355,37 +336,24 @@ def _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g: gl.
     where the tile holds them (``extra``) a second MMA multiplies the same converted operand by them."""
     NB: gl.constexpr = BK // 32
     s = c % S
-    if FP8:  # each block's scale byte, its E4M3 table from it and the row's addends ``fac0`` (``_e4m3_addends``)
-        sb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
-        b = (cur_w[:, None] >> (8 * (g * NB + sb))[None, :]) & 0xFF
-    else:  # BF16x2 2**(126 + b - r) per (row, block), two blocks per word where NB is even (as in _small_steps)
-        f = _scale_word_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
+    # BF16x2 2**(126 + b - r) per (row, block), two blocks per word where NB is even (as in _small_steps)
+    f = _scale_word_factors(cur_w, g * NB, fac0, NB, gl.SliceLayout(2, WL))
     cur = codes
     if load_next:
         t = (c + 1) % S
         mbarrier.wait(loaded.index(t), ((c + 1) // S) & 1)
-        if FP8:
-            codes = _fragment_bytes(packed.index(t), BM, BK, U)
-        else:
-            codes = _fragment_words(packed.index(t), BM, BK, WL)
+        codes = _fragment_words(packed.index(t), BM, BK, WL)
     if XR > 0:
         acc = _wide_mma_extra(packed, act, loaded, consumed, _bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), acc,
                               extra, c, w_ptrs, a_ptrs, ok, refill_step, row_bytes, refill, BK, S, U, HALF, XR)
     else:
         rows = act.index(s)
-        if FP8:  # one FP8 wgmma per K32 block, chained
-            ops = _e4m3_operands(cur, b, fac0[0], fac0[1], BM, BK, DOT)
-            acc = _fp8_chain(ops, rows, acc, NB)
-        else:
-            acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
-                                is_async=True)
+        acc = warpgroup_mma(_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0), rows.permute((1, 0)), acc,
+                            is_async=True)
         if refill:
             _wide_refill(packed, act, loaded, consumed, w_ptrs, a_ptrs, ok, c, refill_step, row_bytes, BK, S, U, HALF,
                          XR)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        if FP8:  # (the FP8 operands' registers live until the MMAs read them: ``_keep_alive``)
-            for j in gl.static_range(NB):
-                _keep_alive(ops[j])
     mbarrier.arrive(consumed.index(s))
     return codes, acc
 
@@ -432,7 +400,7 @@ def _wide_mma_extra(packed, act, loaded, consumed, op, acc, extra, c, w_ptrs, a_
 def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, jg0, jg1, w_ptrs,
                      a_ptrs, ok, row_bytes, BM: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, U: gl.constexpr,
                      SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr,
-                     FP8: gl.constexpr, extra=None, XR: gl.constexpr = 0):
+                     extra=None, XR: gl.constexpr = 0):
     """Scale-load groups ``jg0 .. jg1 - 1`` (``SB`` K32 blocks each) of a wide tile's K loop (ring step ``c0`` = the
     tile's K step 0), all of whose steps refill the ring with a later step of the same tile (``_wide_tail_steps`` runs
     the last ones). Returns the codes loaded for the next step, the accumulator and the next scale load."""
@@ -443,7 +411,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
         for g in gl.static_range(G):
             codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c0 + jg * G + g, g,
                                     w_ptrs, a_ptrs, ok, jg * G + g + S - 1, row_bytes, True, True, BM, BK, S, U, HALF,
-                                    WL, DOT, FP8, extra, XR)
+                                    WL, DOT, extra, XR)
     return codes, acc, nxt_w
 
 
@@ -451,7 +419,7 @@ def _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs,
                      ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                      S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                     DOT: gl.constexpr, FP8: gl.constexpr, extra=None, XR: gl.constexpr = 0):
+                     DOT: gl.constexpr, extra=None, XR: gl.constexpr = 0):
     """The last ``_wide_tail_groups`` scale-load groups of a wide tile's K loop, unrolled: which of their steps refill
     the ring with the tile's last step and which (if ``has_next``; False and the ``_n`` arguments None where the
     program has one tile) with the next tile's first S - 1 steps (``w_rows_n`` etc.) is known at compile time."""
@@ -469,15 +437,15 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
             if tg * G + g + S - 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs,
                                         a_ptrs, ok, num_k + (tg * G + g + S - 1 - TG * G), row_bytes, True, True, BM,
-                                        BK, S, U, HALF, WL, DOT, FP8, extra, XR)
+                                        BK, S, U, HALF, WL, DOT, extra, XR)
             elif tg * G + g + 1 < TG * G:
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, True, has_next, BM, BK,
-                                        S, U, HALF, WL, DOT, FP8, extra, XR)
+                                        S, U, HALF, WL, DOT, extra, XR)
             else:  # the tile's last step: the next tile's first codes
                 codes, acc = _wide_step(packed, act, loaded, consumed, codes, acc, cur_w, fac0, c, g, w_ptrs_n,
                                         a_ptrs_n, ok_n, tg * G + g + S - 1 - TG * G, row_bytes, has_next, has_next, BM,
-                                        BK, S, U, HALF, WL, DOT, FP8, extra, XR)
+                                        BK, S, U, HALF, WL, DOT, extra, XR)
     return codes, acc, nxt_w
 
 
@@ -485,17 +453,17 @@ def _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, f
 def _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs, a_ptrs, ok,
                  row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM: gl.constexpr, BK: gl.constexpr,
                  S: gl.constexpr, U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, WL: gl.constexpr,
-                 DOT: gl.constexpr, FP8: gl.constexpr, extra=None, XR: gl.constexpr = 0):
+                 DOT: gl.constexpr, extra=None, XR: gl.constexpr = 0):
     """A wide tile's K loop from ring step ``c0``: the steps that refill the ring with the tile's own steps
     (``_wide_main_steps``), then its last ones unrolled (``_wide_tail_steps``; the ``_n`` arguments: the next tile's).
     Returns the codes loaded for the next step, the accumulator and the next scale load."""
     G: gl.constexpr = SB // (BK // 32)  # K steps per scale load
     codes, acc, nxt_w = _wide_main_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, 0,
                                          num_k // G - _wide_tail_groups(BK, S, SB), w_ptrs, a_ptrs, ok, row_bytes, BM,
-                                         BK, S, U, SB, HALF, WL, DOT, FP8, extra, XR)
+                                         BK, S, U, SB, HALF, WL, DOT, extra, XR)
     return _wide_tail_steps(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c0, num_k, w_ptrs,
                             a_ptrs, ok, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, ok_n, BM, BK, S, U, SB,
-                            HALF, WL, DOT, FP8, extra, XR)
+                            HALF, WL, DOT, extra, XR)
 
 
 @gluon.constexpr_function
@@ -539,7 +507,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
                      staging, first, end, N, K, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                      BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
                      U: gl.constexpr, SB: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr,
-                     FP8: gl.constexpr, HALF: gl.constexpr, XR: gl.constexpr):
+                     HALF: gl.constexpr, XR: gl.constexpr):
     """One warpgroup of the persistent wide GEMM2 (``_wide_gemm2``): of every tile the program walks (route tile
     ``tile // n_blocks``, 2 BM output columns ``tile % n_blocks``), the ``HALF``-th BM columns, one accumulator chain of
     BM x BT over all K steps, copying activation rows ``HALF * BT/2 ..`` of the shared ring. The ring runs on across
@@ -591,11 +559,11 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
             _wide_copy(packed, act, loaded, w_ptrs, a_ptrs, None, row_bytes, j, j, BK, U, HALF, XR, 2)
     w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SB)
     nxt_w = _scale_load(w_rows)
-    fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm), FP8)
+    fac0 = _row_addends(gl.load(ref_ptr + w_row0 + sm))
     expert_n = gl.load(tile_expert_ptr + gl.minimum(first + stride, end - 1) // n_blocks).to(gl.int64)
     e_routes = gl.load(sorted_routes_ptr + slot0 + offs_e)
     mbarrier.wait(loaded.index(0), 0)
-    codes = _stage_codes(packed.index(0), BM, BK, U, WL, FP8)
+    codes = _fragment_words(packed.index(0), BM, BK, WL)
     c = 0  # ring steps so far
     n_tiles = 0  # tiles so far
     for tile in range(first, end, stride):
@@ -609,9 +577,6 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         if HAS_GSCALE:
             gs = gl.load(gscale_ptr + expert)
         e_weights = gl.load(topk_weights_ptr + e_routes, mask=e_routes >= 0, other=0.0)  # (its routes: a tile ago)
-        e_scales = e_weights
-        if FP8:  # each slot's row scale (the intermediate's E4M3 quantization)
-            e_scales = gl.load(a_scale_ptr + slot0 + offs_e, mask=e_routes >= 0, other=0.0)
         # the next tile (the grid's last tile again where there is none): copy pointers, scale row, row references
         # (used at the end of this tile), its slots' routes; the expert of the one after it
         has_next = tile + stride < end
@@ -633,8 +598,8 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         codes, nxt_w = _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols,
                                         staging, codes, w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes,
                                         has_next, w_rows_n, w_ptrs_n, a_ptrs_n, row_ref, bias, gs, e_routes, e_weights,
-                                        e_scales, n0, n_tiles & 1, N, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, FP8,
-                                        HALF, extra, extra_out, XR)
+                                        n0, n_tiles & 1, N, HAS_BIAS, BM, BT, BK, S, OUT_I64, U, SB, HALF, extra,
+                                        extra_out, XR)
         if XR > 0:
             extra = extra_n
         c += num_k
@@ -646,7 +611,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
         w_ptrs = w_ptrs_n
         a_ptrs = a_ptrs_n
         w_rows = w_rows_n
-        fac0 = _row_addends(ref_n, FP8)
+        fac0 = _row_addends(ref_n)
         expert_n = expert_nn
         e_routes = e_routes_n
     return ()
@@ -655,9 +620,9 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
 @gluon.jit
 def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, loaded, consumed, cols, staging, codes,
                      w_rows, nxt_w, fac0, c, num_k, w_ptrs, a_ptrs, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n,
-                     row_ref, bias, gs, e_routes, e_weights, e_scales, n0, p, N, HAS_BIAS: gl.constexpr,
+                     row_ref, bias, gs, e_routes, e_weights, n0, p, N, HAS_BIAS: gl.constexpr,
                      BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, OUT_I64: gl.constexpr,
-                     U: gl.constexpr, SB: gl.constexpr, FP8: gl.constexpr, HALF: gl.constexpr, extra=None,
+                     U: gl.constexpr, SB: gl.constexpr, HALF: gl.constexpr, extra=None,
                      extra_out=None, XR: gl.constexpr = 0):
     """One tile of ``_wide_gemm2_half`` from ring step ``c``: its K loop, whose last steps refill the ring with the next
     tile's first ones, then the epilogue of its ``BT`` slots (routes and routing weights in ``cols`` at tile parity
@@ -665,11 +630,11 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
     rows, into ``staging``; then the routed rows' 16-B pieces to the output (piece by piece where ``staging`` holds one
     piece: with ``XR`` extra rows; those, where the tile holds them, from the accumulator's layout with the routes and
     weights at ``extra_out``). Returns the codes loaded for the next step and the next scale load."""
-    PIECES: gl.constexpr = 2 if BT > 128 else 1
+    PIECES: gl.constexpr = 2
     PR: gl.constexpr = BT // PIECES
-    MMA: gl.constexpr = _small_mma_layout(BT, FP8)
-    HM: gl.constexpr = _small_mma_layout(PR, FP8)
-    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4 if FP8 else 2)
+    MMA: gl.constexpr = _small_mma_layout(BT, False)
+    HM: gl.constexpr = _small_mma_layout(PR, False)
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     ROWS: gl.constexpr = gl.SliceLayout(1, HM)
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BM, BM // 8], [4, 1], [1, 0])  # [BT, BM]: 16-B pieces
@@ -678,7 +643,7 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
         acc = (acc, gl.zeros((BM, XR), gl.float32, _small_mma_layout(XR, False)))
     codes, acc, nxt_w = _wide_k_loop(packed, act, loaded, consumed, codes, acc, w_rows, nxt_w, fac0, c, num_k, w_ptrs,
                                      a_ptrs, None, row_bytes, has_next, w_rows_n, w_ptrs_n, a_ptrs_n, None, BM, BK, S,
-                                     U, SB, HALF, WL, DOT, FP8, extra, XR)
+                                     U, SB, HALF, WL, DOT, extra, XR)
     if XR > 0:
         acc, acc_x = acc
         if extra:
@@ -686,22 +651,14 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
                                   extra_out[2], n0 + HALF * BM, N, HAS_BIAS, BM, XR, OUT_I64)
     cols.index(2 * p).store(e_routes.to(gl.float32, bitcast=True))
     cols.index(2 * p + 1).store(e_weights)
-    if FP8:
-        cols.index(4 + p).store(e_scales)
-    row_f = gl.convert_layout(_row_factors(row_ref, FP8), ROWS)
+    row_f = gl.convert_layout(_row_factors(row_ref), ROWS)
     if HAS_BIAS:
         bias = gl.convert_layout(bias, ROWS)
-    if PIECES == 2:
-        lo, hi = acc.reshape([BM, 2, PR]).permute((0, 2, 1)).split()
-    else:
-        lo = acc
-        hi = acc
+    lo, hi = acc.reshape([BM, 2, PR]).permute((0, 2, 1)).split()
     for h in gl.static_range(PIECES):
         part = gl.convert_layout(lo if h == 0 else hi, HM, assert_trivial=True)
         weights = cols.index(2 * p + 1).slice(h * PR, PR).load(gl.SliceLayout(0, HM))
         y = part * row_f[:, None] * gs
-        if FP8:  # (before the bias, as _epilogue_values' column scales)
-            y = y * cols.index(4 + p).slice(h * PR, PR).load(gl.SliceLayout(0, HM))[None, :]
         if HAS_BIAS:
             y += bias[:, None]
         y = y * weights[None, :]
@@ -742,7 +699,7 @@ def _wide_gemm2_extra_out(acc_x, sorted_routes_ptr, topk_weights_ptr, out_ptr, s
     routes = gl.load(sorted_routes_ptr + slot0 + gl.arange(0, XR, layout=gl.SliceLayout(0, MMA_X)))
     row_ok = routes >= 0
     weights = gl.load(topk_weights_ptr + routes, mask=row_ok, other=0.0)
-    y = acc_x * gl.convert_layout(_row_factors(row_ref, False), ROWS_X)[:, None] * gs
+    y = acc_x * gl.convert_layout(_row_factors(row_ref), ROWS_X)[:, None] * gs
     if HAS_BIAS:
         y += gl.convert_layout(bias, ROWS_X)[:, None]
     y = y * weights[None, :]
@@ -759,14 +716,14 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS: gl.constexpr,
                 HAS_GSCALE: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
-                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, FP8: gl.constexpr,
-                HALF_REGS: gl.constexpr, XR: gl.constexpr):
+                EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, HALF_REGS: gl.constexpr,
+                XR: gl.constexpr):
     """GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
     the wide GEMM1). With such short programs (K = I) a program per tile would leave the tensor core idle through
     every prologue and epilogue; here the next tile's first copies land during this tile's epilogue."""
-    gl.static_assert((BT == 256 or BT == 128) and NUM_STAGES >= 3)
+    gl.static_assert(NUM_STAGES >= 3)
     first = gl.program_id(0)
     # (the route pack is complete: GEMM1 waited for it)
     end = _column_blocks(N, 2 * BM, REPEAT_LAST) * gl.load(num_tiles_ptr)
@@ -775,9 +732,8 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
         # each warpgroup's routes and routing weights of its tiles, by tile parity (the barriers between a warpgroup's
         # stores and loads of them: Triton's shared-memory barrier pass)
         FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        CW: gl.constexpr = 8 if FP8 else 4  # W4A8 also each slot's row scale (rows 4 + parity; 8: a power of two)
-        cols_0 = gl.allocate_shared_memory(gl.float32, [CW, BT], FL)
-        cols_1 = gl.allocate_shared_memory(gl.float32, [CW, BT], FL)
+        cols_0 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
+        cols_1 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
         # each warpgroup's BF16 results of a tile (with extra rows: of half a tile, for their ring's shared memory),
         # the routed rows' 16-B pieces then stored from here
         SR: gl.constexpr = BT if XR == 0 else BT // 2
@@ -788,11 +744,11 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_0,
                                 act, loaded, consumed, cols_0, staging_0, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
-                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 0, XR)),
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, 0, XR)),
             (_wide_gemm2_half, (a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr,
                                 sorted_routes_ptr, tile_expert_ptr, out_ptr, stride_out, topk_weights_ptr, packed_1,
                                 act, loaded, consumed, cols_1, staging_1, first, end, N, K, HAS_BIAS, HAS_GSCALE, BM,
-                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, FP8, 1, XR)),
+                                BT, BK, NUM_STAGES, OUT_I64, U, SB, EARLY_WEIGHTS, REPEAT_LAST, 1, XR)),
         ], [4], [HALF_REGS])
     else:
         _wait_for_previous_kernel()  # (a kernel must not complete before the one it follows)
@@ -806,7 +762,7 @@ def moe_gemm_wide_kernel(
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
     REPEAT_LAST: gl.constexpr = False, FP8: gl.constexpr = False, EXTRA_ROWS: gl.constexpr = 0,
 ):
-    """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; 128 and ``FP8`` by override), persistent: a
+    """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; W4A16 only: ``FP8`` False), persistent: a
     1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the
     gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2
     launched with PDL): its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s).
@@ -822,19 +778,19 @@ def moe_gemm_wide_kernel(
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
     out_ptr, stride_out, topk_weights_ptr = out
     N, K, top_k, limit, alpha = dims
-    gl.static_assert(BM == 64 and (BT == 256 or BT == 128) and gl.num_warps() == 4)
+    gl.static_assert(BM == 64 and BT == 256 and gl.num_warps() == 4 and not FP8)
     gl.static_assert(not EARLY_WEIGHTS or not GEMM1)
-    gl.static_assert(EXTRA_ROWS == 0 or (EXTRA_ROWS == 32 and BT == 256 and not FP8))
+    gl.static_assert(EXTRA_ROWS == 0 or EXTRA_ROWS == 32)
     if not EARLY_WEIGHTS:
         _wait_for_previous_kernel()
     if GEMM1:
         _launch_dependents()
         _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, top_k, limit, alpha,
-                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, FP8,
-                    SPLIT_REGS, EXTRA_ROWS)
+                    SWIGLUOAI, HAS_BIAS, HAS_GSCALE, BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, SPLIT_REGS,
+                    EXTRA_ROWS)
     else:
         _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
                     tile_expert_ptr, num_tiles_ptr, out_ptr, stride_out, topk_weights_ptr, N, K, HAS_BIAS, HAS_GSCALE,
-                    BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, FP8,
-                    SPLIT_REGS, EXTRA_ROWS)
+                    BM, BT, BK, NUM_STAGES, OUT_I64, W_UNIT, SCALE_BYTES, EARLY_WEIGHTS, REPEAT_LAST, SPLIT_REGS,
+                    EXTRA_ROWS)
