@@ -192,6 +192,37 @@ def test_device_route_pack_of_wide_tiles(E, tokens):
     assert (pack.num_tiles[0] > E) and torch.equal((pack.route_slot < 0), (ref.route_slot < 0))
 
 
+@pytest.mark.parametrize("E,tokens", [(2, 200), (3, 400)])  # one launch (600 routes), the multi-kernel pack (1200)
+def test_device_route_pack_with_extra_rows(E, tokens):
+    """The wide tiles' extra rows (288 slots, 256 routes per tile but an expert's last, which holds up to 288): the
+    GPU pack kernels against the torch pack, slot for slot where routes sit and where padding does; the torch pack's
+    tiles by hand: an expert of 256 + 1..32 routes takes one tile, of 257 + 32 two."""
+    from mxmoe._details.config import WIDE_EXTRA, WIDE_ROWS, overrides
+    from mxmoe.routing import device_route_pack
+    from mxmoe.workspace import Workspace
+
+    top_k, slots = 3, WIDE_ROWS + WIDE_EXTRA
+    ids = torch.randint(-1, E, (tokens, top_k), generator=torch.Generator().manual_seed(E), dtype=torch.int32)
+    ids[: tokens // 3, 0] = 0  # a hot expert: several tiles
+    with overrides(gemm1=dict(extra_rows=WIDE_EXTRA)):  # (the workspace sized for the pack)
+        ws = Workspace(experts(E, 64, 64), tokens, top_k)
+    ws.sorted_routes.fill_(7)
+    pack = device_route_pack(ws, ids, None, slots, E, WIDE_EXTRA)
+    ref = mxmoe.route_pack(ids, E, slots, extra=WIDE_EXTRA)
+    for name in ("expert_counts", "segment_offsets", "num_tiles", "tile_expert", "tile_start"):
+        assert torch.equal(getattr(pack, name), getattr(ref, name)), name
+    valid = pack.route_slot >= 0
+    assert torch.equal(valid, ref.route_slot >= 0)
+    assert torch.equal(pack.sorted_routes[pack.route_slot[valid].long()], torch.nonzero(valid).squeeze(1).int())
+    assert torch.equal(pack.sorted_routes >= 0, ref.sorted_routes[: pack.sorted_routes.numel()] >= 0)
+    for e, count in enumerate(ref.expert_counts.tolist()):
+        tiles = max(-(-max(count - WIDE_EXTRA, 1) // WIDE_ROWS), 1) if count else 0
+        assert (ref.tile_expert == e).sum().item() == tiles
+        seg = ref.sorted_routes[ref.segment_offsets[e]: ref.segment_offsets[e + 1]].view(tiles, slots) >= 0
+        held = [WIDE_ROWS] * (tiles - 1) + [count - WIDE_ROWS * (tiles - 1)] if tiles else []
+        assert seg.sum(1).tolist() == held and all(seg[t, :h].all() for t, h in enumerate(held))
+
+
 def test_workspace_refuses_a_pack_it_has_no_room_for():
     """A pack of taller tiles than the workspace was sized for (the wide tiles below ``WIDE_FROM`` rows per expert)
     is an error, not a write past the buffers."""

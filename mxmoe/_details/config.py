@@ -448,8 +448,8 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     if bt == WIDE_ROWS or override.get("wide"):
         # (before the stages: their ring takes shared memory; only where GEMM2 runs the wide kernel, whose K is
         # GEMM1's N: both read one pack)
-        extra = (bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(n if gemm1 else k)
-                 and wide_extra_rows(rows, num_experts))
+        extra = (wide_extra_rows(rows, num_experts)
+                 if bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(n if gemm1 else k) else 0)
         cfg["extra_rows"] = override.pop("extra_rows", extra)
         _wide_knobs(cfg, k, gemm1)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
