@@ -90,9 +90,9 @@ def _uses_wgmma_without_spills(r):
     # The W4A8 prefill kernel's consumers spill in their epilogue (GEMM2's two m-tiles, up to 228 bytes at K = 2880, at
     # 216-224 registers), once per tile, never in the K loop (asserted below)
     # The wide W4A16 tiles with extra rows (a second accumulator) spill outside the K loop: 24 / 48 bytes (GEMM1 /
-    # GEMM2) at K = 2880, 120 / 160 with scale words (the reference shape)
+    # GEMM2) at K = 2880, 120 / 160 with scale words (the reference shape) under Triton 3.6; 3.9: 24 / 40, 88 / 184
     extra_rows = r["config"]["extra_rows"] > 0
-    budget = {"gluon_ws8": 256}.get(r["kernel"], 160 if extra_rows else 32 if pairs_128 else 0)
+    budget = {"gluon_ws8": 256}.get(r["kernel"], 192 if extra_rows else 32 if pairs_128 else 0)
     if r["kernel"] != "gluon_ws8" or gluon_validated(triton.__version__):
         assert r["spill_bytes"] <= budget, r
     assert r["k_loop_length"] > 0 and r["k_loop_local"] == 0, r
