@@ -555,3 +555,26 @@ def test_wide_extra_rows_where_tiles_drop(E, T, top_k, H, I, extra):
             gemm_config(rows, E, I, H, False, bad, kernel="gluon_small")
     with pytest.raises(ValueError, match="wide takes W4A16"):  # (W4A8 has no wide tiles)
         gemm_config(rows, E, I, H, True, {"extra_rows": 32, "block_rows": 256, "wide": True}, kernel="gluon_small")
+
+
+def test_workspaces_reserve_the_extra_rows_pack_only_where_a_call_may_take_it():
+    """A workspace holds the 288-slot pack of the wide tiles' extra rows where some call it fits takes them (or the
+    overrides ask for them): not for the reference shape up to T=8192 (228 rows per expert) nor gpt-oss-120b up to
+    T=6144, yes for gpt-oss-120b from about T=7550 (236 rows per expert: the extra rows' first band)."""
+    from mxmoe._details.config import WIDE_EXTRA, WIDE_ROWS, overrides, pack_shapes, wide_extra_rows
+
+    extra = (WIDE_ROWS + WIDE_EXTRA, WIDE_EXTRA)
+    assert extra not in pack_shapes(8192 * 8, 288)
+    assert extra not in pack_shapes(6144 * 4, 128)
+    assert extra in pack_shapes(7680 * 4, 128) and extra in pack_shapes(16384 * 4, 128)
+    # the first rows per expert that take them, and the workspace's answer on both sides of it
+    first = next(m for m in range(133, 600) if wide_extra_rows(m * 128, 128))
+    assert 230 <= first <= 245
+    assert extra in pack_shapes((first - 1) * 128, 128) and extra not in pack_shapes((first - 2) * 128, 128)
+    # every call a workspace fits finds its pack there: a workspace of T_max tokens reserves it once any T <= T_max
+    # takes the extra rows (the first such T, then workspaces of every size above it, also past the band's end)
+    for E, top_k in ((128, 4), (32, 4), (288, 16)):
+        first_t = next(T for T in range(1, 40000) if wide_extra_rows(T * top_k, E))
+        assert all(extra in pack_shapes(T * top_k, E) for T in range(first_t, 40000, 53)), (E, top_k)
+    with overrides(gemm1=dict(extra_rows=WIDE_EXTRA)):
+        assert extra in pack_shapes(64, 128)

@@ -295,13 +295,24 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_f
 
 
 def pack_shapes(routes: int, num_experts: int) -> list:
-    """(slots per tile, extra rows) of every route pack a call of ``routes`` routed rows may build: the heights of
-    :func:`pack_tile_heights`, and the wide tiles with their extra rows where those apply."""
+    """(slots per tile, extra rows) of every route pack a call of up to ``routes`` routed rows may build (a
+    workspace's): the heights of :func:`pack_tile_heights`, and the wide tiles with their extra rows where a call of
+    at most ``routes`` rows may take them (:func:`_extra_rows_within`) or the overrides set them."""
     shapes = [(bt, 0) for bt in pack_tile_heights(routes, num_experts)]
     changes = current_overrides()
-    if routes > WIDE_FROM * num_experts or any(g.get("extra_rows") for g in (changes.gemm1, changes.gemm2)):
+    if _extra_rows_within(routes, num_experts) or any(g.get("extra_rows") for g in (changes.gemm1, changes.gemm2)):
         shapes.append((WIDE_ROWS + WIDE_EXTRA, WIDE_EXTRA))
     return shapes
+
+
+@functools.lru_cache(maxsize=256)
+def _extra_rows_within(routes: int, num_experts: int) -> bool:
+    """Whether :func:`wide_extra_rows` picks the extra rows for some call of at most ``routes`` routed rows with the
+    wide tiles: ``routes`` itself and every whole number of rows per expert up to one past it (its bands are tens of
+    rows wide, so a call between two whole numbers is covered). A workspace reserves the 288-slot pack (12.5 % more
+    pack and intermediate rows) only then."""
+    return bool(wide_extra_rows(routes, num_experts)) or any(
+        wide_extra_rows(m * num_experts, num_experts) for m in range(WIDE_FROM + 1, routes // max(num_experts, 1) + 2))
 
 
 def pack_shape(cfg: GemmConfig) -> tuple[int, int]:
