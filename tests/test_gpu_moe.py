@@ -398,8 +398,8 @@ def test_wide_tiles(kind, ids_dtype, T):
     steps, GEMM2 none); ``short_k_halves``: H = 448 and I = 192, the fewest with 16-bit scale loads (K % 128 == 64;
     GEMM2 none before its unrolled last steps);
     ``gpt_oss_*``: H = I = 2880 (16-bit scale loads; GEMM2's last program per tile repeats its first half, unstored),
-    hot experts on 128, uniform routes on 32. Each tiling (also the wide tiles with their 32 extra rows; NaN-filled
-    intermediates) against the exact reference and bitwise equal to the 128-row tiles."""
+    hot experts on 128, uniform routes on 32. Each tiling (also the wide tiles of 256 and 128 rows with their 32 extra
+    rows; NaN-filled intermediates) against the exact reference and bitwise equal to the 128-row tiles."""
     import dataclasses
 
     from mxmoe._details import config
@@ -426,7 +426,8 @@ def test_wide_tiles(kind, ids_dtype, T):
     outs = []
     wide, halves, narrow = dict(block_rows=config.WIDE_ROWS), dict(block_rows=128, sub_tiles=2), dict(block_rows=128)
     extra = dict(wide, extra_rows=config.WIDE_EXTRA)
-    arms = ((wide, wide), (wide, halves), (narrow, narrow), (extra, extra))
+    extra_128 = dict(block_rows=128, wide=True, extra_rows=config.WIDE_EXTRA)
+    arms = ((wide, wide), (wide, halves), (narrow, narrow), (extra, extra), (extra_128, extra_128))
     for gemm1, gemm2 in arms:
         with config.overrides(gemm1=gemm1, gemm2=gemm2) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
@@ -522,18 +523,20 @@ def test_w4a8_gemm_level(name):
 
 
 @gluon_only
+@pytest.mark.parametrize("bt", [256, 128])
 @pytest.mark.parametrize("shape,T,ids_dtype", [((16, 2880, 2880, 4), 1200, torch.int64),
                                                ((16, 4096, 1024, 8), 1000, torch.int32)])
-def test_wide_extra_rows(shape, T, ids_dtype):
-    """The wide W4A16 tiles with 32 extra rows (``extra_rows``): experts' counts on both sides of multiples of 256
-    (0, 1, 31-33, 255-257, 280, 288-289, 300, 512, 544-545, 800: tiles of 256 and last tiles of up to 288, with and
-    without their second MMA), masked routes, NaN-filled intermediates; against the exact reference (``check``) and
-    bitwise equal to the wide tiles without extra rows. gpt-oss's K tail (16-bit scale loads, GEMM2's repeated last
-    half) and the reference shape's H, I and top_k (scale words)."""
+def test_wide_extra_rows(shape, T, ids_dtype, bt):
+    """The wide W4A16 tiles of ``bt`` rows with 32 extra rows (``extra_rows``): experts' counts on both sides of
+    multiples of ``bt`` (at 256: 0, 1, 31-33, 255-257, 280, 288-289, 300, 512, 544-545, 800: tiles of 256 and last
+    tiles of up to 288, with and without their second MMA), masked routes, NaN-filled intermediates; against the exact
+    reference (``check``) and bitwise equal to the wide tiles without extra rows. gpt-oss's K tail (16-bit scale
+    loads, GEMM2's repeated last half) and the reference shape's H, I and top_k (scale words)."""
     from mxmoe._details import config
 
     E, H, I, top_k = shape
-    counts = [0, 1, 31, 32, 33, 255, 256, 257, 280, 288, 289, 300, 512, 544, 545, 800]
+    counts = [0, 1, 31, 32, 33, bt - 1, bt, bt + 1, bt + 24, bt + 32, bt + 33, bt + 44, 2 * bt, 2 * bt + 32,
+              2 * bt + 33, 3 * bt + 32]
     assert len(counts) == E and max(counts) < T
     # token t takes labels t, T + t, ...: distinct experts per token (each count < T), the rest masked
     labels = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
@@ -545,7 +548,7 @@ def test_wide_extra_rows(shape, T, ids_dtype):
     x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
     outs = []
     for extra in (0, 32):
-        wide = dict(block_rows=config.WIDE_ROWS, extra_rows=extra)
+        wide = dict(block_rows=bt, wide=True, extra_rows=extra)
         with config.overrides(gemm1=wide, gemm2=wide) as changes:
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)  # sized under these overrides
             ws.intermediate.view(torch.uint8).fill_(255)  # (NaN: every row a GEMM reads must have been written)

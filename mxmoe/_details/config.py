@@ -96,11 +96,11 @@ class GemmConfig:
             raise ValueError("pair is for GEMM2")
         if self.split_loop and (fp8 or self.wide):
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
-        if self.wide and not (self.block_rows == WIDE_ROWS and not fp8 and self.k_split == 1 and self.k_parts == 1):
-            raise ValueError(f"wide takes W4A16 on {WIDE_ROWS}-row tiles, no K split")
+        if self.wide and not (self.block_rows in (128, WIDE_ROWS) and not fp8 and self.k_split == 1
+                              and self.k_parts == 1):
+            raise ValueError(f"wide takes W4A16 on 128- or {WIDE_ROWS}-row tiles, no K split")
         if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide):
-            raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's {WIDE_ROWS}-row wide tiles "
-                             "only")
+            raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's wide tiles only")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
         # whole K steps
         wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
@@ -133,7 +133,8 @@ def wide_shared_bytes(cfg: GemmConfig, gemm1: bool) -> int:
     packed = 2 * cfg.num_stages * cfg.block_m * cfg.block_k // 2
     if gemm1:
         return act + packed + 2 * cfg.block_rows * cfg.block_m // 2 * 2
-    staged = cfg.block_rows // (2 if cfg.extra_rows else 1)  # (with extra rows GEMM2 stages half a tile at a time)
+    # (with extra rows GEMM2 stages half of a 256-row tile at a time)
+    staged = cfg.block_rows // (2 if cfg.extra_rows and cfg.block_rows > 128 else 1)
     return act + packed + 2 * staged * cfg.block_m * 2 + 2 * 4 * cfg.block_rows * 4
 
 
@@ -299,10 +300,13 @@ def pack_shapes(routes: int, num_experts: int) -> list:
     workspace's): the heights of :func:`pack_tile_heights`, and the wide tiles with their extra rows where a call of
     at most ``routes`` rows may take them (:func:`_extra_rows_within`) or the overrides set them."""
     shapes = [(bt, 0) for bt in pack_tile_heights(routes, num_experts)]
-    changes = current_overrides()
-    if _extra_rows_within(routes, num_experts) or any(g.get("extra_rows") for g in (changes.gemm1, changes.gemm2)):
+    if _extra_rows_within(routes, num_experts):
         shapes.append((WIDE_ROWS + WIDE_EXTRA, WIDE_EXTRA))
-    return shapes
+    changes = current_overrides()
+    for gemm in (changes.gemm1, changes.gemm2):
+        if gemm.get("extra_rows"):
+            shapes.append((gemm.get("block_rows", WIDE_ROWS) + gemm["extra_rows"], gemm["extra_rows"]))
+    return sorted(set(shapes))
 
 
 @functools.lru_cache(maxsize=256)

@@ -630,7 +630,7 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
     rows, into ``staging``; then the routed rows' 16-B pieces to the output (piece by piece where ``staging`` holds one
     piece: with ``XR`` extra rows; those, where the tile holds them, from the accumulator's layout with the routes and
     weights at ``extra_out``). Returns the codes loaded for the next step and the next scale load."""
-    PIECES: gl.constexpr = 2
+    PIECES: gl.constexpr = 2 if BT > 128 else 1
     PR: gl.constexpr = BT // PIECES
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     HM: gl.constexpr = _small_mma_layout(PR, False)
@@ -654,7 +654,11 @@ def _wide_gemm2_tile(a_ptr, w_ptr, s_ptr, out_ptr, stride_out, packed, act, load
     row_f = gl.convert_layout(_row_factors(row_ref), ROWS)
     if HAS_BIAS:
         bias = gl.convert_layout(bias, ROWS)
-    lo, hi = acc.reshape([BM, 2, PR]).permute((0, 2, 1)).split()
+    if PIECES == 2:
+        lo, hi = acc.reshape([BM, 2, PR]).permute((0, 2, 1)).split()
+    else:
+        lo = acc
+        hi = acc
     for h in gl.static_range(PIECES):
         part = gl.convert_layout(lo if h == 0 else hi, HM, assert_trivial=True)
         weights = cols.index(2 * p + 1).slice(h * PR, PR).load(gl.SliceLayout(0, HM))
@@ -736,7 +740,7 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
         cols_1 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
         # each warpgroup's BF16 results of a tile (with extra rows: of half a tile, for their ring's shared memory),
         # the routed rows' 16-B pieces then stored from here
-        SR: gl.constexpr = BT if XR == 0 else BT // 2
+        SR: gl.constexpr = BT if XR == 0 or BT == 128 else BT // 2
         OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SR, BM], out_ptr.dtype.element_ty)
         staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [SR, BM], OUT_SL)
         staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [SR, BM], OUT_SL)
@@ -778,7 +782,7 @@ def moe_gemm_wide_kernel(
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
     out_ptr, stride_out, topk_weights_ptr = out
     N, K, top_k, limit, alpha = dims
-    gl.static_assert(BM == 64 and BT == 256 and gl.num_warps() == 4 and not FP8)
+    gl.static_assert(BM == 64 and (BT == 256 or BT == 128) and gl.num_warps() == 4 and not FP8)
     gl.static_assert(not EARLY_WEIGHTS or not GEMM1)
     gl.static_assert(EXTRA_ROWS == 0 or EXTRA_ROWS == 32)
     if not EARLY_WEIGHTS:
