@@ -96,7 +96,7 @@ class GemmConfig:
             raise ValueError("pair is for GEMM2")
         if self.split_loop and (fp8 or self.wide):
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
-        if self.wide and not (self.block_rows in (128, WIDE_ROWS) and not fp8 and self.k_split == 1
+        if self.wide and not (self.block_rows in (64, 128, WIDE_ROWS) and not fp8 and self.k_split == 1
                               and self.k_parts == 1):
             raise ValueError(f"wide takes W4A16 on 128- or {WIDE_ROWS}-row tiles, no K split")
         if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide):
