@@ -392,20 +392,21 @@ def test_wide_tiles_need_k_steps_for_their_unrolled_tail():
                     gemm1=True)
 
 
-def test_wide_tiles_take_w4a16_on_128_or_256_rows():
-    """The wide kernels run W4A16 on 256- or 128-row tiles (with or without extra rows); their W4A8 form was measured
-    slower and deleted (docs/perf-notes.md step 52), and other tile heights are refused."""
+def test_wide_tiles_take_w4a16_on_64_to_256_rows():
+    """The wide kernels run W4A16 on 256-, 128- or 64-row tiles (with or without extra rows); their W4A8 form was
+    measured slower and deleted (docs/perf-notes.md step 52), and other tile heights are refused."""
     from mxmoe._details.config import gemm_config, pack_shape
 
     rows = 8192 * 4
-    for fp8, bt in ((True, 256), (True, 128), (False, 64)):
+    for fp8, bt in ((True, 256), (True, 128), (False, 32)):
         with pytest.raises(ValueError, match="wide takes W4A16"):
             gemm_config(rows, 128, 2880, 2880, fp8, dict(block_rows=bt, wide=True), kernel="gluon_small")
-    for extra in (0, 32):
-        for gemm1 in (True, False):
-            cfg = gemm_config(rows, 128, 2880, 2880, False, dict(block_rows=128, wide=True, extra_rows=extra),
-                              kernel="gluon_small", gemm1=gemm1)
-            assert cfg.wide and pack_shape(cfg) == (128 + extra, extra)
+    for bt in (64, 128):
+        for extra in (0, 32):
+            for gemm1 in (True, False):
+                cfg = gemm_config(rows, 128, 2880, 2880, False, dict(block_rows=bt, wide=True, extra_rows=extra),
+                                  kernel="gluon_small", gemm1=gemm1)
+                assert cfg.wide and pack_shape(cfg) == (bt + extra, extra)
 
 
 def test_small_w4a16_tiles_split_their_k_loop_from_16_steps():

@@ -98,7 +98,7 @@ class GemmConfig:
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
         if self.wide and not (self.block_rows in (64, 128, WIDE_ROWS) and not fp8 and self.k_split == 1
                               and self.k_parts == 1):
-            raise ValueError(f"wide takes W4A16 on 128- or {WIDE_ROWS}-row tiles, no K split")
+            raise ValueError(f"wide takes W4A16 on 64-, 128- or {WIDE_ROWS}-row tiles, no K split")
         if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide):
             raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's wide tiles only")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
