@@ -46,6 +46,10 @@ def test_every_kind_of_config_is_compiled(reports):
     # ... and with their extra rows (both GEMMs), at both scale-load sizes
     assert {(r["gemm1"], r["config"]["scale_words"]) for r in small if r["config"]["extra_rows"]} == \
         {(g, w) for g in (True, False) for w in (True, False)}
+    # ... and the 128 + 32-slot wide tiles the heuristics pick (130 rows per expert), both GEMMs, both sizes
+    assert {(r["gemm1"], r["config"]["scale_words"]) for r in small
+            if r["config"]["extra_rows"] and r["config"]["block_rows"] == 128 and r["config"]["wide"]} == \
+        {(g, w) for g in (True, False) for w in (True, False)}
     # ... both also with 16-bit scale loads (K % 128 == 64, gpt-oss's 2880)
     assert {r["gemm1"] for r in small if r["config"]["wide"] and not r["config"]["scale_words"]} == {True, False}
     # GEMM2's two 64-row blocks per program where N % 128 == 64 (the last program's second block a repeat): in pairs
@@ -90,7 +94,8 @@ def _uses_wgmma_without_spills(r):
     # The W4A8 prefill kernel's consumers spill in their epilogue (GEMM2's two m-tiles, up to 228 bytes at K = 2880, at
     # 216-224 registers), once per tile, never in the K loop (asserted below)
     # The wide W4A16 tiles with extra rows (a second accumulator) spill outside the K loop: 24 / 48 bytes (GEMM1 /
-    # GEMM2) at K = 2880, 120 / 160 with scale words (the reference shape) under Triton 3.6; 3.9: 24 / 40, 88 / 184
+    # GEMM2) at K = 2880, 120 / 160 with scale words (the reference shape) under Triton 3.6; 3.9: 24 / 40, 88 / 184;
+    # on 128 + 32-slot tiles none under 3.6
     extra_rows = r["config"]["extra_rows"] > 0
     budget = {"gluon_ws8": 256}.get(r["kernel"], 192 if extra_rows else 32 if pairs_128 else 0)
     if r["kernel"] != "gluon_ws8" or gluon_validated(triton.__version__):

@@ -164,7 +164,8 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
 
 @pytest.mark.parametrize("rows,fp8,gemm1,n,pair", [
     (288 * 32, False, False, 4096, True),    # W4A16 GEMM2 from 32-row tiles
-    (288 * 130, False, False, 4096, True),   # (above 132 rows per expert: the wide GEMM2, test_wide_tiles)
+    (288 * 100, False, False, 4096, True),   # 128-row tiles
+    (288 * 130, False, False, 4096, False),  # 128 + 32-slot wide tiles (test_wide_tiles)
     (288 * 12, False, False, 4096, False),   # 16-row tiles: measured slower
     (288 * 200, True, False, 4096, True),    # W4A8 (its fast path) on every tile: measured faster
     (288 * 32, True, False, 4096, True),
@@ -312,34 +313,46 @@ def test_route_tile_height(per_expert, small, plain):
     assert tile_rows_for(rows, 288) == plain
     for fp8 in (False, True):
         cfg = gemm_config(rows, 288, 1024, 4096, fp8, kernel="gluon_small", gemm1=True)
-        wide = not fp8 and per_expert > 132  # W4A16's wide tiles (test_wide_tiles)
-        assert cfg.block_rows == (256 if wide else min(small, 128))
+        # W4A16's wide tiles (test_wide_tiles): 128 + 32 slots at 150 rows per expert, 256 at 200
+        wide = {150: 128, 200: 256}.get(per_expert, 0) if not fp8 else 0
+        assert cfg.block_rows == (wide or min(small, 128)) and cfg.wide is (wide > 0)
 
 
-@pytest.mark.parametrize("per_expert,E,H,fp8,wide", [
-    (228, 288, 4096, False, True),    # T=8192 on the reference shape: wide tiles (H200: -9.8 % with the wide GEMM2)
-    (171, 288, 4096, False, True),    # T=6144 (H200: -10 %)
-    (160, 288, 4096, False, True),    # T=5760 (H200: -3.5 %)
-    (142, 288, 4096, False, True),    # T=5120 (H200: -12.5 %)
-    (135, 288, 4096, False, True),    # T=4864 (H200: -6.4 %)
-    (132, 288, 4096, False, False),   # wide above 132 rows per expert, not at it
-    (128, 288, 4096, False, False),   # T=4608 (H200: +11.7 %)
-    (114, 288, 4096, False, False),   # T=4096: one 128-row tile per expert
-    (228, 288, 4096, True, False),    # W4A8: its 64-row tiles
-    (512, 128, 2880, False, True),    # gpt-oss-120b at T=16384: H % 128 == 64, scales in 16-bit loads (step 49)
-    (130, 128, 2880, False, False),
+@pytest.mark.parametrize("per_expert,E,H,fp8,bt", [
+    (228, 288, 4096, False, 256),   # T=8192 on the reference shape: wide tiles (H200: -9.8 % with the wide GEMM2)
+    (171, 288, 4096, False, 256),   # T=6144 (H200: -10 %)
+    (160, 288, 4096, False, 256),   # T=5760 (H200: -3.5 %)
+    (142, 288, 4096, False, 128),   # T=5120: 128 + 32-slot wide tiles (expected tiles 1.06 per expert)
+    (135, 288, 4096, False, 128),   # T=4864 (H100: -17 % against the 256-row tiles, step 53)
+    (132, 288, 4096, False, 128),
+    (128, 288, 4096, False, 128),   # T=4608 (the 256-row tiles: H200 +11.7 %)
+    (114, 288, 4096, False, 0),     # T=4096: one 128-row tile for 91 % of the experts (128 + 32: H100 -4 %)
+    (96, 288, 4096, False, 0),      # T=3456 (128 + 32: H100 -1.5 %)
+    (228, 288, 4096, True, 0),      # W4A8: its 64-row tiles
+    (512, 128, 2880, False, 256),   # gpt-oss-120b at T=16384: H % 128 == 64, scales in 16-bit loads (step 49)
+    (160, 128, 2880, False, 256),   # gpt-oss-120b T=5120 (128 + 32: H100 +13 %)
+    (144, 128, 2880, False, 128),   # T=4608 (H100 -10 %)
+    (128, 128, 2880, False, 128),   # T=4096 (H100 -14 %)
+    (112, 128, 2880, False, 0),     # T=3584 (128 + 32: H100 +6 %)
 ])
-def test_wide_tiles(per_expert, E, H, fp8, wide):
-    """W4A16 prefill with more than 132 rows per expert: 256-row route tiles, GEMM1 persistent on two warpgroups,
-    GEMM2 persistent on two warpgroups (or on the tiles' 128-row halves with its two-block form); both GEMMs read one
-    pack of 256-row tiles."""
-    from mxmoe._details.config import WIDE_ROWS, gemm_config, pack_shape
+def test_wide_tiles(per_expert, E, H, fp8, bt):
+    """W4A16 prefill on wide tiles (``wide_pack``): 256-row route tiles past 132 rows per expert, GEMM1 persistent on
+    two warpgroups, GEMM2 persistent on two warpgroups (or on the tiles' 128-row halves with its two-block form);
+    128 + 32-slot tiles where they cost less (experts of ~115-155 rows), both GEMMs on the wide kernel, 6 stages;
+    both GEMMs read one pack."""
+    from mxmoe._details.config import WIDE_EXTRA, WIDE_ROWS, gemm_config, pack_shape
 
     rows = int(per_expert * E)
     g1 = gemm_config(rows, E, 1024, H, fp8, kernel="gluon_small", gemm1=True)
     g2 = gemm_config(rows, E, H, 1024, fp8, kernel="gluon_small", gemm1=False)
-    assert g1.wide is wide and (g1.block_rows == WIDE_ROWS) is wide
+    assert g1.wide is (bt > 0) and g2.wide is (bt > 0) and g1.block_rows == (bt or min(128, g1.block_rows))
     assert pack_shape(g1) == pack_shape(g2)
+    if bt == 128:
+        assert pack_shape(g1) == (128 + WIDE_EXTRA, WIDE_EXTRA) and (g1.num_stages, g2.num_stages) == (6, 6)
+        # GEMM2 of too few K steps for the wide kernel (I = 128): not these tiles (the 128-row small tiles, or the
+        # 256-row ones with GEMM2 on their halves)
+        assert pack_shape(gemm_config(rows, E, 128, H, fp8, kernel="gluon_small", gemm1=True))[1] == 0
+    wide = bt == WIDE_ROWS
     if wide:
         # GEMM1 persistent too, 5 stages (4 with the extra rows' ring), 255 registers (232 spill the next tile's
         # copy state)
@@ -566,8 +579,9 @@ def test_wide_extra_rows_where_tiles_drop(E, T, top_k, H, I, extra):
 def test_workspaces_reserve_the_extra_rows_pack_only_where_a_call_may_take_it():
     """A workspace holds the 288-slot pack of the wide tiles' extra rows where some call it fits takes them (or the
     overrides ask for them): not for the reference shape up to T=8192 (228 rows per expert) nor gpt-oss-120b up to
-    T=6144, yes for gpt-oss-120b from about T=7550 (236 rows per expert: the extra rows' first band)."""
-    from mxmoe._details.config import WIDE_EXTRA, WIDE_ROWS, overrides, pack_shapes, wide_extra_rows
+    T=6144, yes for gpt-oss-120b from about T=7550 (236 rows per expert: the extra rows' first band); the 160-slot
+    pack of the 128 + 32-slot tiles from their band's first call (~119 rows per expert)."""
+    from mxmoe._details.config import WIDE_EXTRA, WIDE_ROWS, overrides, pack_shapes, wide_extra_rows, wide_pack
 
     extra = (WIDE_ROWS + WIDE_EXTRA, WIDE_EXTRA)
     assert extra not in pack_shapes(8192 * 8, 288)
@@ -584,3 +598,9 @@ def test_workspaces_reserve_the_extra_rows_pack_only_where_a_call_may_take_it():
         assert all(extra in pack_shapes(T * top_k, E) for T in range(first_t, 40000, 53)), (E, top_k)
     with overrides(gemm1=dict(extra_rows=WIDE_EXTRA)):
         assert extra in pack_shapes(64, 128)
+    # the 128 + 32-slot tiles (experts of ~119-152 rows): from the band's first call on, past its end too
+    extra_128 = (128 + WIDE_EXTRA, WIDE_EXTRA)
+    first = next(m for m in range(65, 256) if wide_pack(m * 128, 128) == (128, WIDE_EXTRA))
+    assert 110 <= first <= 125
+    assert extra_128 not in pack_shapes((first - 2) * 128, 128) and extra_128 in pack_shapes((first - 1) * 128, 128)
+    assert extra_128 in pack_shapes(8192 * 8, 288) and extra_128 not in pack_shapes(3072 * 4, 128)

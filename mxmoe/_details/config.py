@@ -298,10 +298,9 @@ def tile_rows_for(rows: int, num_experts: int, cap: int = TILE_ROWS[-1], first_f
 def pack_shapes(routes: int, num_experts: int) -> list:
     """(slots per tile, extra rows) of every route pack a call of up to ``routes`` routed rows may build (a
     workspace's): the heights of :func:`pack_tile_heights`, and the wide tiles with their extra rows where a call of
-    at most ``routes`` rows may take them (:func:`_extra_rows_within`) or the overrides set them."""
+    at most ``routes`` rows may take them (:func:`_wide_packs_within`) or the overrides set them."""
     shapes = [(bt, 0) for bt in pack_tile_heights(routes, num_experts)]
-    if _extra_rows_within(routes, num_experts):
-        shapes.append((WIDE_ROWS + WIDE_EXTRA, WIDE_EXTRA))
+    shapes += [(bt + extra, extra) for bt, extra in _wide_packs_within(routes, num_experts) if extra]
     changes = current_overrides()
     for gemm in (changes.gemm1, changes.gemm2):
         if gemm.get("extra_rows"):
@@ -310,13 +309,13 @@ def pack_shapes(routes: int, num_experts: int) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def _extra_rows_within(routes: int, num_experts: int) -> bool:
-    """Whether :func:`wide_extra_rows` picks the extra rows for some call of at most ``routes`` routed rows with the
-    wide tiles: ``routes`` itself and every whole number of rows per expert up to one past it (its bands are tens of
-    rows wide, so a call between two whole numbers is covered). A workspace reserves the 288-slot pack (12.5 % more
-    pack and intermediate rows) only then."""
-    return bool(wide_extra_rows(routes, num_experts)) or any(
-        wide_extra_rows(m * num_experts, num_experts) for m in range(WIDE_FROM + 1, routes // max(num_experts, 1) + 2))
+def _wide_packs_within(routes: int, num_experts: int) -> set:
+    """The (tile rows, extra rows) :func:`wide_pack` picks for some call of at most ``routes`` routed rows (any H and
+    I): ``routes`` itself and every whole number of rows per expert up to one past it (its bands are tens of rows
+    wide, so a call between two whole numbers is covered). A workspace reserves the packs with extra rows (12.5 % or
+    25 % more pack and intermediate rows) only where some call it fits may take them."""
+    E = max(num_experts, 1)
+    return {wide_pack(routes, num_experts)} | {wide_pack(m * E, num_experts) for m in range(1, routes // E + 2)}
 
 
 def pack_shape(cfg: GemmConfig) -> tuple[int, int]:
@@ -340,18 +339,57 @@ def pack_tile_heights(routes: int, num_experts: int) -> list:
 WIDE_MIN_K = 64 * wide_tail_steps(64, 6)  # the smallest H of the wide tiles (their unrolled last steps, 6 stages)
 
 
-def wide_tiles(rows: int, num_experts: int, hidden: int, fp8: bool) -> bool:
-    """Whether both GEMMs run on the 256-row wide route tiles: W4A16 past ``WIDE_FROM`` rows per expert (step 21), H
-    from ``WIDE_MIN_K`` (any multiple of 64: gpt-oss's 2880 loads its scales in 16-bit halves, step 49)."""
-    return not fp8 and rows > WIDE_FROM * num_experts and hidden >= WIDE_MIN_K
+# a wide tile's cost in 128-row small tiles' (H100, perf-notes step 53: GEMM1 per tile at gpt-oss-120b 7.0-7.25 us on
+# the small tiles, 8.3-8.9 on 128 + 32-slot wide tiles, 10.7 on 256-row ones; GEMM2 alike)
+WIDE_TILE_COST = {128: 1.18, WIDE_ROWS: 1.5}
 
 
-def _small_tile_rows(rows: int, num_experts: int, n: int, k: int, fp8: bool, gemm1: bool) -> int:
-    """16-row tiles up to 12 rows per expert (above, experts past 16 rows convert their weights twice; step 14);
-    the wide tiles where :func:`wide_tiles`."""
-    if wide_tiles(rows, num_experts, k if gemm1 else n, fp8):
-        return WIDE_ROWS
-    return tile_rows_for(rows, num_experts, first_fill=0.75)
+@functools.lru_cache(maxsize=16384)  # (a workspace asks for every whole number of rows per expert up to its own)
+def wide_pack(rows: int, num_experts: int, hidden: int = 0, inter: int = 0) -> tuple[int, int]:
+    """(tile rows, extra rows) of the wide tiles W4A16 takes for ``rows`` routed rows, (0, 0) for the small tiles
+    (``hidden`` / ``inter``: H and I, 0 where any may be). Past ``WIDE_FROM`` rows per expert the 256-row tiles (step
+    21; with :func:`wide_extra_rows`), from ``WIDE_MIN_K`` (any H multiple of 64: gpt-oss's 2880 loads its scales in
+    16-bit halves, step 49). Between 64 and 256 rows per expert (the small tiles' 128 rows, one wide tile) 128 +
+    32-slot tiles instead where their expected cost under uniform routing (``_tiles_per_expert``, ``WIDE_TILE_COST``)
+    is lower, and GEMM2 runs the wide kernel too (both read one pack): experts of ~115-155 rows, where 128-row tiles
+    give half of them a second tile and 256-row tiles are half empty (step 53: gpt-oss-120b T=4096 -14 %, T=4608
+    -10 %, gpt-oss-20b T=1024 -21 %, the reference shape T=4864 -17 %; measured up to 176 rows per expert)."""
+    m = rows / max(num_experts, 1)
+    if m <= 64 or (hidden and hidden < WIDE_MIN_K):
+        return 0, 0
+    gemm2_wide = not inter or _wide_gemm2_fits(inter)
+    choice = (0, 0)
+    if m > WIDE_FROM:
+        choice = (WIDE_ROWS, wide_extra_rows(rows, num_experts) if gemm2_wide else 0)
+    if m >= WIDE_ROWS or not gemm2_wide:
+        return choice
+    if choice[0]:
+        cost = WIDE_TILE_COST[WIDE_ROWS] * _tiles_per_expert(rows, num_experts, WIDE_ROWS)
+    else:
+        cost = _tiles_per_expert(rows, num_experts, 128)
+    if WIDE_TILE_COST[128] * _tiles_per_expert(rows, num_experts, 128, WIDE_EXTRA) < cost:
+        return 128, WIDE_EXTRA
+    return choice
+
+
+def _row_spread(rows: int, num_experts: int) -> list:
+    """Uniform routing's rows per expert as (count, probability): about normal, mean m = rows / E, variance
+    m (1 - 1/E)."""
+    m = rows / max(num_experts, 1)
+    sd = max(math.sqrt(m * (1 - 1 / max(num_experts, 1))), 1e-9)
+    spread = [(r, math.exp(-0.5 * ((r - m) / sd) ** 2)) for r in range(max(int(m - 6 * sd), 0), int(m + 6 * sd) + 2)]
+    total = sum(p for _, p in spread)
+    return [(r, p / total) for r, p in spread]
+
+
+def _tiles(r: int, height: int, extra: int = 0) -> int:
+    """Route tiles of an expert of ``r`` rows: ``height`` rows each, its last up to ``height + extra``."""
+    return -(-max(r - extra, 1) // height) if r else 0
+
+
+def _tiles_per_expert(rows: int, num_experts: int, height: int, extra: int = 0) -> float:
+    """The expected route tiles per expert under uniform routing (``_row_spread``)."""
+    return sum(p * _tiles(r, height, extra) for r, p in _row_spread(rows, num_experts))
 
 
 def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
@@ -360,9 +398,9 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
     memory (with the extra rows' ring GEMM1 takes 4: the same time, step 52)."""
     bk = cfg["block_k"]
     if gemm1:
-        cfg.update(wide=True, maxnreg=255, num_stages=5)
+        cfg.update(wide=True, maxnreg=255, num_stages=6 if cfg["block_rows"] <= 128 else 5)
     elif _wide_gemm2_fits(k, bk):
-        cfg.update(wide=True, maxnreg=255, num_stages=4)
+        cfg.update(wide=True, maxnreg=255, num_stages=6 if cfg["block_rows"] <= 128 else 4)
     else:
         cfg.update(block_rows=128, sub_tiles=2, block_k=64)
     while cfg["wide"] and wide_shared_bytes(GemmConfig(**cfg), gemm1) > SHARED_MAX:
@@ -386,17 +424,13 @@ def wide_extra_rows(rows: int, num_experts: int) -> int:
     tile costs the same whatever its rows (perf-notes step 52), so the extra rows pay where experts' rows sit just past
     a multiple of 256 (gpt-oss-120b at T=8192: 256 +- 16) and cost their overhead elsewhere (the reference shape at
     T=8192, 228 rows: +5 %)."""
-    m = rows / max(num_experts, 1)
-    sd = max(math.sqrt(m * (1 - 1 / max(num_experts, 1))), 1e-9)
-    base = cost = total = 0.0
-    for r in range(max(int(m - 6 * sd), 0), int(m + 6 * sd) + 2):
-        p = math.exp(-0.5 * ((r - m) / sd) ** 2)
-        total += p
-        base += p * -(-r // WIDE_ROWS)
-        tiles = -(-max(r - WIDE_EXTRA, 1) // WIDE_ROWS) if r else 0
+    base = cost = 0.0
+    for r, p in _row_spread(rows, num_experts):
+        base += p * _tiles(r, WIDE_ROWS)
+        tiles = _tiles(r, WIDE_ROWS, WIDE_EXTRA)
         last = r - (tiles - 1) * WIDE_ROWS
         cost += p * (tiles + (WIDE_EXTRA / WIDE_ROWS if tiles and last > WIDE_ROWS else 0))
-    return WIDE_EXTRA if total and cost < WIDE_EXTRA_GAIN * base else 0
+    return WIDE_EXTRA if cost < WIDE_EXTRA_GAIN * base else 0
 
 
 def _decode_split(cfg: dict, rows: int, num_experts: int, n: int, k: int, fp8: bool, sm_count: int,
@@ -457,14 +491,18 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     if k % 64 or n % 64:
         raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
     chosen_bt = override.pop("block_rows", None)
-    bt = chosen_bt or _small_tile_rows(rows, num_experts, n, k, fp8, gemm1)
+    hidden, inter = (k, n) if gemm1 else (n, k)
+    wide_bt, wide_extra = (0, 0) if fp8 else wide_pack(rows, num_experts, hidden, inter)
+    # (16-row tiles up to 12 rows per expert: above, experts past 16 rows convert their weights twice; step 14)
+    bt = chosen_bt or wide_bt or tile_rows_for(rows, num_experts, first_fill=0.75)
     cfg = dict(block_rows=bt, block_m=64, block_k=64, num_warps=4, num_stages=4, scale_words=k % 128 == 0,
                k_split=1, pair=False, k_parts=1, wide=False, sub_tiles=1)
-    if bt == WIDE_ROWS or override.get("wide"):
-        # (before the stages: their ring takes shared memory; only where GEMM2 runs the wide kernel, whose K is
-        # GEMM1's N: both read one pack)
-        extra = (wide_extra_rows(rows, num_experts)
-                 if bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(n if gemm1 else k) else 0)
+    if override.get("wide", bt == WIDE_ROWS or (chosen_bt is None and wide_bt > 0)):
+        # (before the stages: their ring takes shared memory; the extra rows only where GEMM2 runs the wide kernel,
+        # whose K is GEMM1's N: both read one pack)
+        extra = wide_extra if bt == wide_bt else 0
+        if bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(inter):
+            extra = wide_extra_rows(rows, num_experts)
         cfg["extra_rows"] = override.pop("extra_rows", extra)
         _wide_knobs(cfg, k, gemm1)
     _decode_split(cfg, rows, num_experts, n, k, fp8, sm_count, gemm1)
