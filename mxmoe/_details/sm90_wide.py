@@ -1,11 +1,12 @@
-"""The wide Gluon kernel (``moe_gemm_wide_kernel``): W4A16 prefill past ~132 routed rows per expert, 256-row
-route tiles on two warpgroups, one chain of 64 x 256 each, persistent (a program per SM walking the tiles); GEMM1
-the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2 64 output columns each
+"""The wide Gluon kernel (``moe_gemm_wide_kernel``): W4A16 prefill past ~119 routed rows per expert, route tiles of
+``BT`` = 256 (or 128) rows on two warpgroups, one chain of 64 x BT each, persistent (a program per SM walking the
+tiles); GEMM1 the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2 64 output columns each
 (``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps. Any
 K and N multiple of 64 (gpt-oss's 2880: 16-bit scale loads; GEMM2's last block repeats a half). With extra rows
-(``EXTRA_ROWS``) a tile is 256 + 32 route-pack slots, the last 32 multiplied only on tiles that hold them.
+(``EXTRA_ROWS``) a tile is BT + 32 route-pack slots, the last 32 multiplied only on tiles that hold them. 64-row tiles
+run by override only (slower than the small-tile kernel wherever measured, docs/perf-notes.md step 53).
 
-Measured and deleted (docs/perf-notes.md steps 50-52): 128-row tiles, a W4A8 form (E4M3 operands, FP8 chains).
+Measured and deleted (docs/perf-notes.md steps 50-52): a W4A8 form (E4M3 operands, FP8 chains).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -252,7 +253,7 @@ def _wide_gemm1(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BM: gl.constexpr,
                 BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr,
                 SB: gl.constexpr, HALF_REGS: gl.constexpr, XR: gl.constexpr):
-    """GEMM1 on wide route tiles (``BT`` = 256 rows, the MMA's N), persistent: a 1-D grid of at most one program
+    """GEMM1 on wide route tiles (``BT`` = 256 or 128 rows, the MMA's N), persistent: a 1-D grid of at most one program
     per SM, each walking the (route tile, BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm1_half``), each the gate and up rows of half the BM columns, one accumulator chain of 64 x 256
     converting while the other's MMA runs: half the conversion per MMA of the 128-row tiles' two chains of 64 x 128.
@@ -722,7 +723,7 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
                 NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr, U: gl.constexpr, SB: gl.constexpr,
                 EARLY_WEIGHTS: gl.constexpr, REPEAT_LAST: gl.constexpr, HALF_REGS: gl.constexpr,
                 XR: gl.constexpr):
-    """GEMM2 on wide route tiles (``BT`` = 256 rows), persistent: a 1-D grid of at most one program per SM, each
+    """GEMM2 on wide route tiles (``BT`` = 256 or 128 rows), persistent: a 1-D grid of at most one program per SM, each
     walking the (route tile, 2 BM output columns) tiles ``program_id, + num_programs, ..``; two warpgroups
     (``_wide_gemm2_half``), BM columns each, one accumulator chain of BM x BT converting while the other's MMA runs (as
     the wide GEMM1). With such short programs (K = I) a program per tile would leave the tensor core idle through
@@ -766,17 +767,17 @@ def moe_gemm_wide_kernel(
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
     REPEAT_LAST: gl.constexpr = False, FP8: gl.constexpr = False, EXTRA_ROWS: gl.constexpr = 0,
 ):
-    """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256; W4A16 only: ``FP8`` False), persistent: a
-    1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1 ``_wide_gemm1``, the
-    gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each. ``EARLY_WEIGHTS`` (GEMM2
-    launched with PDL): its first weight stages copy before it waits for GEMM1 (as ``moe_gemm_small_kernel``'s).
+    """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256 or 128, 64 by override; W4A16 only: ``FP8``
+    False), persistent: a 1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1
+    ``_wide_gemm1``, the gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each.
+    ``EARLY_WEIGHTS`` (GEMM2 launched with PDL): its first weight stages copy before it waits for GEMM1 (as
+    ``moe_gemm_small_kernel``'s).
     ``SCALE_BYTES``: the scale bytes per load, 4 (a word, K % 128 == 0) or 2 (K % 128 == 64: a row's bytes start 2-byte
     aligned). ``REPEAT_LAST`` (GEMM2 at N % 128 == 64): the last column block's second warpgroup repeats the first's
     rows, unstored. Arguments in the bundles of ``sm90_pipeline``: ``a`` the activations, ``w`` the weights, ``pack``
-    the route pack, ``out`` the output, ``dims`` the sizes and activation parameters. ``EXTRA_ROWS`` (W4A16, 256-row
-    tiles): each tile is BT + EXTRA_ROWS route-pack slots, the extra rows multiplied by the same converted weights in
-    a second MMA where the tile holds them (``_wide_mma_extra``): an expert of up to 288 rows takes one tile, not
-    two."""
+    the route pack, ``out`` the output, ``dims`` the sizes and activation parameters. ``EXTRA_ROWS``: each tile is BT
+    + EXTRA_ROWS route-pack slots, the extra rows multiplied by the same converted weights in a second MMA where the
+    tile holds them (``_wide_mma_extra``): an expert of up to BT + 32 rows takes one tile, not two."""
     a_ptr, a_scale_ptr, stride_a = a
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
