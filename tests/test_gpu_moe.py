@@ -441,6 +441,29 @@ def test_wide_tiles(kind, ids_dtype, T):
 
 
 @gluon_only
+@pytest.mark.parametrize("shape,T", [((128, 2880, 2880, 4), 4096), ((32, 2880, 2880, 4), 1024),
+                                     ((288, 4096, 1024, 8), 4864)])
+def test_wide_128_tiles_by_default(shape, T):
+    """The default W4A16 call where ``config.wide_pack`` picks the 128 + 32-slot wide tiles (gpt-oss-120b T=4096,
+    gpt-oss-20b T=1024, the reference shape at 135 rows per expert; uniform routing, int64 ids, NaN-filled
+    intermediates): against the exact reference and bitwise equal to the small kernel's 128-row tiles."""
+    from mxmoe._details import config
+
+    E, H, I, top_k = shape
+    assert config.wide_pack(T * top_k, E, H, I) == (128, config.WIDE_EXTRA)
+    ex = gpu_experts(E, H, I)
+    x = seeded_x(T, H, seed=T)
+    ids, w = routing(T, top_k, E, seed=T, ids_dtype=torch.int64)
+    outs = []
+    for changes in ({}, {"wide": False}):
+        with config.overrides(gemm=changes):
+            ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k)
+            ws.intermediate.view(torch.uint8).fill_(255)  # (NaN: every row a GEMM reads must have been written)
+            outs.append(check(ex, x, ids, w, "w4a16", workspace=ws))
+    assert torch.equal(outs[0], outs[1])
+
+
+@gluon_only
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 @pytest.mark.parametrize("T", [1, 3, 300, 1000, 2000, 4000])
 def test_gemm2_pair_at_n_tail(T, precision):
@@ -457,7 +480,8 @@ def test_gemm2_pair_at_n_tail(T, precision):
         routing(T, top_k, E, seed=3, ids_dtype=torch.int64)
     outs = []
     for pair in (True, False):
-        with config.overrides(gemm2={"kernel": "gluon_small", "pair": pair}):
+        # (the small kernel's tiles: at T = 4000 W4A16 would take the 128 + 32-slot wide tiles, which have no pairs)
+        with config.overrides(gemm={"wide": False}, gemm2={"kernel": "gluon_small", "pair": pair}):
             ws = mxmoe.Workspace(ex, max_tokens=T, top_k=top_k, fp8=precision == "w4a8")
             outs.append(check(ex, x, ids, w, precision, workspace=ws))
     assert torch.equal(outs[0], outs[1])

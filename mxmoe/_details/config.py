@@ -395,7 +395,8 @@ def _tiles_per_expert(rows: int, num_experts: int, height: int, extra: int = 0) 
 def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
     """The wide tiles: GEMM1 on two warpgroups, 5 stages (step 21); GEMM2 persistent on two warpgroups where it has
     its unrolled last 4 steps, else on the tiles' 128-row halves (I = 128 at TP 8); as many stages as fit the shared
-    memory (with the extra rows' ring GEMM1 takes 4: the same time, step 52)."""
+    memory (with the extra rows' ring GEMM1 takes 4: the same time, step 52). The 128-row tiles: 6 stages each (step
+    53), fewer where K has fewer steps than they unroll."""
     bk = cfg["block_k"]
     if gemm1:
         cfg.update(wide=True, maxnreg=255, num_stages=6 if cfg["block_rows"] <= 128 else 5)
@@ -404,6 +405,10 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
     else:
         cfg.update(block_rows=128, sub_tiles=2, block_k=64)
     while cfg["wide"] and wide_shared_bytes(GemmConfig(**cfg), gemm1) > SHARED_MAX:
+        cfg["num_stages"] -= 1
+    # (the 128-row tiles' 6 stages unroll 6 K steps at a tile's end: fewer where K has fewer, down to 4)
+    while cfg["wide"] and cfg["num_stages"] > 4 and \
+            k // bk < wide_tail_steps(bk, cfg["num_stages"], wide_scale_bytes(cfg["scale_words"])):
         cfg["num_stages"] -= 1
 
 
