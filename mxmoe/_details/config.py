@@ -351,7 +351,7 @@ def wide_pack(rows: int, num_experts: int, hidden: int = 0, inter: int = 0) -> t
     21; with :func:`wide_extra_rows`), from ``WIDE_MIN_K`` (any H multiple of 64: gpt-oss's 2880 loads its scales in
     16-bit halves, step 49). Between 64 and 256 rows per expert (the small tiles' 128 rows, one wide tile) 128 +
     32-slot tiles instead where their expected cost under uniform routing (``_tiles_per_expert``, ``WIDE_TILE_COST``)
-    is lower, and GEMM2 runs the wide kernel too (both read one pack): experts of ~115-155 rows, where 128-row tiles
+    is lower, and GEMM2 runs the wide kernel too (both read one pack): experts of ~119-152 rows, where 128-row tiles
     give half of them a second tile and 256-row tiles are half empty (step 53: gpt-oss-120b T=4096 -14 %, T=4608
     -10 %, gpt-oss-20b T=1024 -21 %, the reference shape T=4864 -17 %; measured up to 176 rows per expert)."""
     m = rows / max(num_experts, 1)
@@ -506,7 +506,7 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
         # (before the stages: their ring takes shared memory; the extra rows only where GEMM2 runs the wide kernel,
         # whose K is GEMM1's N: both read one pack)
         extra = wide_extra if bt == wide_bt else 0
-        if bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(inter):
+        if bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(inter):  # (also where an override set the height)
             extra = wide_extra_rows(rows, num_experts)
         cfg["extra_rows"] = override.pop("extra_rows", extra)
         _wide_knobs(cfg, k, gemm1)

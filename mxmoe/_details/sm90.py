@@ -233,9 +233,10 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     template at every ``rows`` (both precisions), the small-tile Gluon kernel at ``small_rows`` (both precisions; W4A16
     on the wide tiles at the last, there also GEMM2 on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit
     output offsets without PDL, both wide GEMMs at H = I = 2880, GEMM2 there also in pairs on 128-row tiles, the wide
-    tiles with extra rows and the 128 + 32-slot wide tiles there and at this shape), and at its first rows also with per-step scale-byte loads (the form for
-    K % 128 != 0), W4A16 with one K32 block per step, with the decode K split (two warpgroups) and, W4A16, without a
-    route pack (one token, ``launch.direct_routes``), also GEMM1 with its K steps over two programs (``k_parts``).
+    tiles with extra rows and the 128 + 32-slot wide tiles there and at this shape), and at its first rows also with
+    per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the decode K split
+    (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1 with its K
+    steps over two programs (``k_parts``).
     ``unfolded``: also W4A8's exact unfolded kernel at every small rows. ``name`` says the case, not the config, so
     that a restructure can be compared case by case."""
     from .config import gemm_config, unfolded_config
