@@ -96,9 +96,9 @@ class GemmConfig:
             raise ValueError("pair is for GEMM2")
         if self.split_loop and (fp8 or self.wide):
             raise ValueError("split_loop is for W4A16 on small tiles (W4A8 spills with it; the wide tiles split theirs)")
-        if self.wide and not (self.block_rows in (64, 128, WIDE_ROWS) and not fp8 and self.k_split == 1
+        if self.wide and not (self.block_rows in (128, WIDE_ROWS) and not fp8 and self.k_split == 1
                               and self.k_parts == 1):
-            raise ValueError(f"wide takes W4A16 on 64-, 128- or {WIDE_ROWS}-row tiles, no K split")
+            raise ValueError(f"wide takes W4A16 on 128- or {WIDE_ROWS}-row tiles, no K split")
         if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide):
             raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's wide tiles only")
         # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
@@ -399,9 +399,9 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
     53), fewer where K has fewer steps than they unroll."""
     bk = cfg["block_k"]
     if gemm1:
-        cfg.update(wide=True, maxnreg=255, num_stages=6 if cfg["block_rows"] <= 128 else 5)
+        cfg.update(wide=True, maxnreg=255, num_stages=6 if cfg["block_rows"] == 128 else 5)
     elif _wide_gemm2_fits(k, bk):
-        cfg.update(wide=True, maxnreg=255, num_stages=6 if cfg["block_rows"] <= 128 else 4)
+        cfg.update(wide=True, maxnreg=255, num_stages=6 if cfg["block_rows"] == 128 else 4)
     else:
         cfg.update(block_rows=128, sub_tiles=2, block_k=64)
     while cfg["wide"] and wide_shared_bytes(GemmConfig(**cfg), gemm1) > SHARED_MAX:

@@ -3,10 +3,9 @@
 tiles); GEMM1 the gate and up rows of 32 output columns per warpgroup (``_wide_gemm1``), GEMM2 64 output columns each
 (``_wide_gemm2``). The ring runs on across tiles: a tile's last steps refill it with the next tile's first steps. Any
 K and N multiple of 64 (gpt-oss's 2880: 16-bit scale loads; GEMM2's last block repeats a half). With extra rows
-(``EXTRA_ROWS``) a tile is BT + 32 route-pack slots, the last 32 multiplied only on tiles that hold them. 64-row tiles
-run by override only (slower than the small-tile kernel wherever measured, docs/perf-notes.md step 53).
+(``EXTRA_ROWS``) a tile is BT + 32 route-pack slots, the last 32 multiplied only on tiles that hold them.
 
-Measured and deleted (docs/perf-notes.md steps 50-52): a W4A8 form (E4M3 operands, FP8 chains).
+Measured and deleted (docs/perf-notes.md steps 50-53): a W4A8 form (E4M3 operands, FP8 chains), 64-row tiles.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -527,7 +526,7 @@ def _wide_gemm2_half(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
     SC: gl.constexpr = gl.SliceLayout(2, WL)
     ROWS: gl.constexpr = gl.SliceLayout(1, _small_mma_layout(BT // 2, False))  # (the epilogue's pieces of 128 rows)
-    EL: gl.constexpr = gl.BlockedLayout([max(BT // 128, 1)], [32], [4], [0])  # a tile's slots over the warpgroup
+    EL: gl.constexpr = gl.BlockedLayout([BT // 128], [32], [4], [0])  # a tile's slots over the warpgroup
     stride = gl.num_programs(0)
     n_blocks = _column_blocks(N, 2 * BM, REPEAT_LAST)
     num_k = K // BK
@@ -741,7 +740,7 @@ def _wide_gemm2(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale_ptr,
         cols_1 = gl.allocate_shared_memory(gl.float32, [4, BT], FL)
         # each warpgroup's BF16 results of a tile (with extra rows: of half a tile, for their ring's shared memory),
         # the routed rows' 16-B pieces then stored from here
-        SR: gl.constexpr = BT if XR == 0 or BT <= 128 else BT // 2
+        SR: gl.constexpr = BT if XR == 0 or BT == 128 else BT // 2
         OUT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SR, BM], out_ptr.dtype.element_ty)
         staging_0 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [SR, BM], OUT_SL)
         staging_1 = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [SR, BM], OUT_SL)
@@ -767,8 +766,8 @@ def moe_gemm_wide_kernel(
     W_UNIT: gl.constexpr, EARLY_WEIGHTS: gl.constexpr, SPLIT_REGS: gl.constexpr, SCALE_BYTES: gl.constexpr,
     REPEAT_LAST: gl.constexpr = False, FP8: gl.constexpr = False, EXTRA_ROWS: gl.constexpr = 0,
 ):
-    """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256 or 128, 64 by override; W4A16 only: ``FP8``
-    False), persistent: a 1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1
+    """The ``moe_gemm_kernel`` contract on wide route tiles (``BT`` = 256 or 128; W4A16 only: ``FP8`` False),
+    persistent: a 1-D grid of at most one program per SM, two warpgroups (``SPLIT_REGS`` registers each): GEMM1
     ``_wide_gemm1``, the gate and up rows of 32 output columns each; GEMM2 ``_wide_gemm2``, 64 output columns each.
     ``EARLY_WEIGHTS`` (GEMM2 launched with PDL): its first weight stages copy before it waits for GEMM1 (as
     ``moe_gemm_small_kernel``'s).
@@ -783,7 +782,7 @@ def moe_gemm_wide_kernel(
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
     out_ptr, stride_out, topk_weights_ptr = out
     N, K, top_k, limit, alpha = dims
-    gl.static_assert(BM == 64 and (BT == 256 or BT == 128 or BT == 64) and gl.num_warps() == 4 and not FP8)
+    gl.static_assert(BM == 64 and (BT == 256 or BT == 128) and gl.num_warps() == 4 and not FP8)
     gl.static_assert(not EARLY_WEIGHTS or not GEMM1)
     gl.static_assert(EXTRA_ROWS == 0 or EXTRA_ROWS == 32)
     if not EARLY_WEIGHTS:
