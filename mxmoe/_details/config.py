@@ -363,11 +363,12 @@ def wide_pack(rows: int, num_experts: int, hidden: int = 0, inter: int = 0) -> t
         choice = (WIDE_ROWS, wide_extra_rows(rows, num_experts) if gemm2_wide else 0)
     if m >= WIDE_ROWS or not gemm2_wide:
         return choice
+    spread = _row_spread(rows, num_experts)
     if choice[0]:
-        cost = WIDE_TILE_COST[WIDE_ROWS] * _tiles_per_expert(rows, num_experts, WIDE_ROWS)
+        cost = WIDE_TILE_COST[WIDE_ROWS] * _tiles_per_expert(spread, WIDE_ROWS)
     else:
-        cost = _tiles_per_expert(rows, num_experts, 128)
-    if WIDE_TILE_COST[128] * _tiles_per_expert(rows, num_experts, 128, WIDE_EXTRA) < cost:
+        cost = _tiles_per_expert(spread, 128)
+    if WIDE_TILE_COST[128] * _tiles_per_expert(spread, 128, WIDE_EXTRA) < cost:
         return 128, WIDE_EXTRA
     return choice
 
@@ -387,9 +388,9 @@ def _tiles(r: int, height: int, extra: int = 0) -> int:
     return -(-max(r - extra, 1) // height) if r else 0
 
 
-def _tiles_per_expert(rows: int, num_experts: int, height: int, extra: int = 0) -> float:
-    """The expected route tiles per expert under uniform routing (``_row_spread``)."""
-    return sum(p * _tiles(r, height, extra) for r, p in _row_spread(rows, num_experts))
+def _tiles_per_expert(spread: list, height: int, extra: int = 0) -> float:
+    """The expected route tiles per expert over a ``_row_spread``."""
+    return sum(p * _tiles(r, height, extra) for r, p in spread)
 
 
 def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
@@ -505,8 +506,10 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     if override.get("wide", bt == WIDE_ROWS or (chosen_bt is None and wide_bt > 0)):
         # (before the stages: their ring takes shared memory; the extra rows only where GEMM2 runs the wide kernel,
         # whose K is GEMM1's N: both read one pack)
-        extra = wide_extra if bt == wide_bt else 0
-        if bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(inter):  # (also where an override set the height)
+        extra = 0
+        if bt == wide_bt:
+            extra = wide_extra
+        elif bt == WIDE_ROWS and not fp8 and _wide_gemm2_fits(inter):  # (an override's 256-row tiles)
             extra = wide_extra_rows(rows, num_experts)
         cfg["extra_rows"] = override.pop("extra_rows", extra)
         _wide_knobs(cfg, k, gemm1)
