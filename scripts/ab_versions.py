@@ -3,11 +3,12 @@ in one process so that all see the same clock and power state (the H200 slows ~1
 most changes measured), with the output's hash (bit-identity across versions) and each kernel's time.
 
     git archive <rev> mxmoe | tar -x -C /tmp/base      # a version: a directory holding an ``mxmoe`` package
-    python3 scripts/ab_versions.py 5120,8192 /tmp/base . [--rounds 12] [--batch 10] [--prec w4a16]
+    python3 scripts/ab_versions.py 5120,8192 /tmp/base . [--rounds 12] [--batch 10] [--prec w4a16] [--shape E,H,I,k]
 
-Reference shape, random weights (seeded) and uniform random routing. Per T and version: the median per-call time
-over the rounds, the median of its per-round ratio to the first version (rounds alternate the order), the output's
-hash and NaN count, then the torch-profiler time of each kernel (us; with PDL a kernel's time includes its wait)."""
+Reference shape unless ``--shape`` (e.g. 128,2880,2880,4: gpt-oss-120b), random weights (seeded) and uniform random
+routing. Per T and version: the median per-call time over the rounds, the median of its per-round ratio to the first
+version (rounds alternate the order), the output's hash and NaN count, then the torch-profiler time of each kernel
+(us; with PDL a kernel's time includes its wait)."""
 import argparse
 import hashlib
 import importlib
@@ -27,6 +28,7 @@ ap.add_argument("versions", nargs="+")
 ap.add_argument("--rounds", type=int, default=12)
 ap.add_argument("--batch", type=int, default=10)
 ap.add_argument("--prec", default="w4a16")
+ap.add_argument("--shape", default="288,4096,1024,8")
 args = ap.parse_args()
 
 root = tempfile.mkdtemp()
@@ -49,7 +51,7 @@ for i, v in enumerate(args.versions):  # each version's package under a name of 
 sys.path.insert(0, root)
 mods = [importlib.import_module(n) for n in names]
 
-E, H, I, k = 288, 4096, 1024, 8
+E, H, I, k = (int(v) for v in args.shape.split(","))
 g = torch.Generator(device="cuda").manual_seed(0)
 w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device="cuda")
 s13 = torch.randint(118, 123, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device="cuda")

@@ -1,13 +1,14 @@
-"""Knockout timing of the wide W4A16 kernels' K step (developer tool, docs/perf-notes.md steps 25 and 51): copies of
-the package with one part of the step removed, timed in one process beside the package itself. Outputs of a knockout
-are wrong by construction; only its kernel times mean anything.
+"""Knockout timing of the W4A16 kernels' K step, wide and small tiles (developer tool, docs/perf-notes.md steps 25,
+51 and 54): copies of the package with one part of the step removed, timed in one process beside the package itself.
+Outputs of a knockout are wrong by construction; only its kernel times mean anything.
 
     python3 scripts/knockouts.py E,H,I,TOPK T ['{config override}']     # from the repository root, on a GPU
 
 Knockouts: ``ko_act`` no activation copies (the ring's activation slots stay stale; their ``loaded`` arrivals and the
 extra rows' copies stay),
-``ko_conv`` a constant MMA operand instead of the weight conversion (the code loads go dead with it), ``ko_act_conv``
-both. The copies live in /tmp/mxmoe_knockouts (rebuilt each run; each registers its own custom-op namespace)."""
+``ko_conv`` a constant MMA operand instead of the weight conversion (the code loads go dead with it; wide and small
+tiles), ``ko_w`` no weight copies (the ring's code slots stay stale, the wide extra rows' copies stay), ``ko_act_conv``
+ko_act and ko_conv. The copies live in /tmp/mxmoe_knockouts (rebuilt each run; each registers its own custom-op namespace)."""
 import importlib
 import json
 import os
@@ -24,7 +25,16 @@ KNOCKOUTS = {
                 "            pass\n        else:\n            pass\n")],
     "ko_conv": [("_details/sm90_wide.py", "_bf16_operand(cur, f, BM, BK, WL, DOT, NB % 2 == 0)" + after,
                  "gl.full([BM, BK], 1.0, gl.bfloat16, DOT)" + after)
-                for after in (", rows.permute", ", acc,\n")],  # (the step's MMA, and with extra rows both MMAs')
+                for after in (", rows.permute", ", acc,\n")]  # (the step's MMA, and with extra rows both MMAs')
+    + [("_details/sm90_small.py", f"_bf16_operand(cur_{h}, f_{h}, BM, BK, WL, DOT, PAIRED)",
+        "gl.full([BM, BK], 1.0, gl.bfloat16, DOT)") for h in "gu"],  # (the small tiles' W4A16 step)
+    "ko_w": [("_details/sm90_pipeline.py",
+              "        _async_load(halves.index(slot), w_ptrs + _step_offset(step, BK, U))\n",
+              "        pass\n"),
+             ("_details/sm90_pipeline.py",
+              "            _async_load(packed.index(slot * NH + h), w_ptrs + h * half_rows * row_bytes + "
+              "_step_offset(step, BK, U))\n",
+              "            pass\n")],
 }
 KNOCKOUTS["ko_act_conv"] = KNOCKOUTS["ko_act"] + KNOCKOUTS["ko_conv"]
 
