@@ -49,7 +49,7 @@ class GemmConfig:
     loader_regs: int = 64  # "gluon_ws8": the producer's and each consumer warpgroup's registers per thread
     converter_regs: int = 224  # (128 x 64 + 2 x 128 x 224 = 64 K)
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0);
-    # the wide tiles without it: 16-bit loads (K % 128 == 64, gpt-oss's 2880)
+    # without it 16-bit loads (K % 128 == 64, gpt-oss's 2880; block_k up to 64), both kernels (``scale_bytes``)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
     pair: bool = False  # gluon_small GEMM2: two 64-row weight blocks per program (block_m stays the block's rows)
     k_parts: int = 1  # gluon_small GEMM1 without a route pack: 2 = two programs split the K steps (decode grids
@@ -62,13 +62,15 @@ class GemmConfig:
     promote: int = 0  # gluon_small W4A8 fast path: K steps per FP8 accumulator chain, each chain's sums then added to
     # FP32 accumulators (0: one chain over all of K)
     promote_smem: bool = False  # ... those FP32 sums in shared memory (tiles whose chains take all the registers)
+    half_tiles: bool = False  # gluon_small (not wide): a tile whose second half holds no route runs on its first half
+    # (the MMAs' N and the activation copies halved; ``sm90_small._small_tile``)
     extra_rows: int = 0  # wide W4A16: route tiles of block_rows + extra_rows slots, the extra rows multiplied (a second
     # MMA on the same converted weights) only where a tile holds them: an expert's last rows past a multiple of
     # block_rows, up to extra_rows, take no tile of their own (``sm90_wide._wide_mma_extra``)
 
     @property
-    def wide_scale_bytes(self) -> int:
-        return wide_scale_bytes(self.scale_words)
+    def scale_bytes(self) -> int:
+        return scale_bytes(self.scale_words)
 
     def validate(self, n: int, k: int, gemm1: bool, fp8: bool) -> "GemmConfig":
         """This config, if its Gluon kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
@@ -86,6 +88,9 @@ class GemmConfig:
             raise ValueError(f"the small-tile Gluon kernel needs K ({k}) to be a multiple of block_k ({self.block_k})")
         if self.scale_words and (k % 128 or 128 % self.block_k):
             raise ValueError("scale_words needs K % 128 == 0 and block_k dividing 128")
+        if self.block_k > 32 * self.scale_bytes:  # (a scale load spans whole K steps)
+            raise ValueError(f"block_k ({self.block_k}) is more than a scale load's K (32 per byte, "
+                             f"{self.scale_bytes} bytes): 128 needs scale_words")
         if self.k_split not in (1, 2):
             raise ValueError("k_split must be 1 or 2")
         if self.k_parts not in (1, 2) or (self.k_parts == 2 and (not gemm1 or fp8 or self.k_split != 1)):
@@ -99,24 +104,25 @@ class GemmConfig:
         if self.wide and not (self.block_rows in (128, WIDE_ROWS) and not fp8 and self.k_split == 1
                               and self.k_parts == 1):
             raise ValueError(f"wide takes W4A16 on 128- or {WIDE_ROWS}-row tiles, no K split")
+        if self.half_tiles and (self.wide or self.k_split != 1 or self.k_parts != 1 or self.sub_tiles != 1
+                                or self.block_rows < 32):
+            raise ValueError("half_tiles is for small tiles of 32 rows or more, without K split or sub-tiles")
         if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide):
             raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's wide tiles only")
-        # both wide kernels: at least the K steps they unroll at a tile's end; a scale load (32 or 16 bits) spans
-        # whole K steps
-        wide_short = self.wide and (steps < wide_tail_steps(self.block_k, self.num_stages, self.wide_scale_bytes)
-                                    or self.block_k > 32 * self.wide_scale_bytes)
+        # both wide kernels: at least the K steps they unroll at a tile's end
+        wide_short = self.wide and steps < wide_tail_steps(self.block_k, self.num_stages, self.scale_bytes)
         if self.wide and not gemm1 and (wide_short or self.pair or self.block_k != 64 or self.num_stages < 3):
             raise ValueError("the wide GEMM2 takes no pair, block_k=64, at least 3 stages and at least its unrolled last "
                              "K steps")
         if gemm1 and wide_short:
             raise ValueError("the wide GEMM1 takes at least its unrolled last K steps (num_stages - 1, rounded up to "
-                             "whole scale loads) and block_k up to a scale load's K (128 with scale_words, else 64)")
+                             "whole scale loads)")
         if self.wide and wide_shared_bytes(self, gemm1) > SHARED_MAX:
             raise ValueError(f"the wide tiles' ring and output staging take {wide_shared_bytes(self, gemm1)} "
                              f"bytes of shared memory, more than {SHARED_MAX}")
         if n % self.block_m:  # (pair at N % 128 == 64: the last program's second block repeats its first, unstored)
             raise ValueError(f"the small-tile Gluon kernel needs N ({n}) to be a multiple of block_m")
-        group = 128 // self.block_k if self.scale_words else 1  # K steps per scale word
+        group = 32 * self.scale_bytes // self.block_k  # K steps per scale load
         if steps // (self.k_split * group) < 1:
             raise ValueError(f"k_split={self.k_split} needs at least {self.k_split * group} K steps, K={k} has fewer")
         return self
@@ -138,8 +144,9 @@ def wide_shared_bytes(cfg: GemmConfig, gemm1: bool) -> int:
     return act + packed + 2 * staged * cfg.block_m * 2 + 2 * 4 * cfg.block_rows * 4
 
 
-def wide_scale_bytes(scale_words: bool) -> int:
-    """The wide kernels' scale bytes per load (``SCALE_BYTES``): a 32-bit word with ``scale_words``, else 16 bits."""
+def scale_bytes(scale_words: bool) -> int:
+    """The small and wide kernels' scale bytes per row and load (``SCALE_BYTES``): a 32-bit word with ``scale_words``,
+    else 16 bits (a K % 64 == 0 row's bytes start 2-byte aligned)."""
     return 4 if scale_words else 2
 
 
@@ -409,14 +416,14 @@ def _wide_knobs(cfg: dict, k: int, gemm1: bool) -> None:
         cfg["num_stages"] -= 1
     # (the 128-row tiles' 6 stages unroll 6 K steps at a tile's end: fewer where K has fewer, down to 4)
     while cfg["wide"] and cfg["num_stages"] > 4 and \
-            k // bk < wide_tail_steps(bk, cfg["num_stages"], wide_scale_bytes(cfg["scale_words"])):
+            k // bk < wide_tail_steps(bk, cfg["num_stages"], scale_bytes(cfg["scale_words"])):
         cfg["num_stages"] -= 1
 
 
 def _wide_gemm2_fits(k: int, block_k: int = 64) -> bool:
     """Whether GEMM2 of reduction length ``k`` runs the wide kernel (its unrolled last steps at 4 stages), not the
     128-row halves of the wide tiles."""
-    return k // block_k >= wide_tail_steps(block_k, 4, wide_scale_bytes(k % 128 == 0))
+    return k // block_k >= wide_tail_steps(block_k, 4, scale_bytes(k % 128 == 0))
 
 
 WIDE_EXTRA_GAIN = 0.93  # the extra rows' tile cost at most this fraction of the 256-row tiles' (step 52: +5-9 % per tile)
@@ -493,6 +500,13 @@ def _split_loop(cfg: dict, k: int, fp8: bool) -> bool:
     return not (fp8 or cfg["wide"]) and steps >= SPLIT_LOOP_MIN_STEPS
 
 
+def _half_tiles(cfg: dict, fp8: bool) -> bool:
+    """W4A16 small tiles of 32 rows or more: a tile whose second half holds no route (an expert's last tile; most
+    tiles where experts average about half a tile) runs the MMAs and activation copies of its first half (step 54)."""
+    return not (fp8 or cfg["wide"]) and cfg["block_rows"] >= 32 and cfg["k_split"] == 1 and cfg["k_parts"] == 1 \
+        and cfg["sub_tiles"] == 1
+
+
 def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count) -> GemmConfig:
     if k % 64 or n % 64:
         raise ValueError("the small-tile Gluon kernel needs N and K multiples of 64")
@@ -521,6 +535,8 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     cfg.update(override)
     if "split_loop" not in override:
         cfg["split_loop"] = _split_loop(cfg, k, fp8)
+    if "half_tiles" not in override:
+        cfg["half_tiles"] = _half_tiles(cfg, fp8)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
 
 
@@ -624,6 +640,7 @@ def small_kernel_constexprs(cfg: GemmConfig, gemm1: bool, pdl: bool, n: int) -> 
     common = dict(SPLIT_REGS=cfg.maxnreg or 128, EARLY_WEIGHTS=pdl and not gemm1 and cfg.k_split == 1,
                   REPEAT_LAST=(cfg.pair or (cfg.wide and not gemm1)) and not gemm2_pair_fits(n))
     if cfg.wide:
-        return dict(common, SCALE_BYTES=cfg.wide_scale_bytes, EXTRA_ROWS=cfg.extra_rows)
-    return dict(common, SCALE_WORDS=cfg.scale_words, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
-                SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem)
+        return dict(common, SCALE_BYTES=cfg.scale_bytes, EXTRA_ROWS=cfg.extra_rows)
+    return dict(common, SCALE_BYTES=cfg.scale_bytes, KSPLIT=cfg.k_split, PAIR=cfg.pair, K_PARTS=cfg.k_parts,
+                SUB_TILES=cfg.sub_tiles, SPLIT_LOOP=cfg.split_loop, PROMOTE=cfg.promote, PROMOTE_SMEM=cfg.promote_smem,
+                HALF_TILES=cfg.half_tiles)

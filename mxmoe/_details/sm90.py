@@ -234,7 +234,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     on the wide tiles at the last, there also GEMM2 on their 128-row halves, the wide GEMM2 at I = 256 and with 64-bit
     output offsets without PDL, both wide GEMMs at H = I = 2880, GEMM2 there also in pairs on 128-row tiles, the wide
     tiles with extra rows and the 128 + 32-slot wide tiles there and at this shape), and at its first rows also with
-    per-step scale-byte loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the decode K split
+    16-bit scale loads (the form for K % 128 != 0), W4A16 with one K32 block per step, with the decode K split
     (two warpgroups) and, W4A16, without a route pack (one token, ``launch.direct_routes``), also GEMM1 with its K
     steps over two programs (``k_parts``).
     ``unfolded``: also W4A8's exact unfolded kernel at every small rows. ``name`` says the case, not the config, so
@@ -244,7 +244,7 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases = [(kernel, r, fp8, {}, False) for kernel, rs, fp8s in (("triton", rows, (False, True)),
                                                           ("gluon_small", small_rows, (False, True)))
              for r in rs for fp8 in fp8s]
-    cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False), False) for fp8 in (False, True)]
+    cases += [("gluon_small", small_rows[0], fp8, dict(scale_words=False, block_k=64), False) for fp8 in (False, True)]
     # W4A16 on one K32 block per step (an override): the per-block factors of a scale word, not the paired ones
     cases += [("gluon_small", small_rows[0], False, dict(block_k=32), False)]
     cases += [("gluon_small", small_rows[0], fp8, dict(k_split=2, maxnreg=128), False) for fp8 in (False, True)]

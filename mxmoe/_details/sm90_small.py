@@ -139,6 +139,15 @@ def _small_ring(a_dtype: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BT: g
 
 
 @gluon.jit
+def _act_stage(act, s, BT: gl.constexpr):
+    """Stage ``s`` of the activation ring, its first ``BT`` rows (a halved tile: ``HALF_TILES``)."""
+    stage = act.index(s)
+    if stage.shape[0] != BT:
+        stage = stage.slice(0, BT)
+    return stage
+
+
+@gluon.jit
 def _e4m3_row_addends(ref_ptr, w_row0, half_rows, sm, NH: gl.constexpr, FOLD: gl.constexpr, BM: gl.constexpr,
                       SC: gl.constexpr):
     """The E4M3 tables' addends of each row of both halves (the unfolded path: constant, scale byte 0)."""
@@ -216,7 +225,7 @@ def _fp8_step(packed, act, loaded, s, i, num_steps, cur_sg, cur_su, tlo_g, thi_g
     to the FP32 accumulators every P steps, in shared memory ``total`` with ``PROMOTE_SMEM``, where the chains'
     registers are all there is room for: the last chain is added after the loop), else the exact one."""
     mbarrier.wait(loaded.index(s), (i // NUM_STAGES) & 1)
-    act_s = act.index(s)
+    act_s = _act_stage(act, s, acc_g.shape[1])
     if FOLD:  # the blocks' scales in the E4M3 weights: one wgmma chain per half
         acc_g, acc_u, pg, pu = _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u, acc_g,
                                             acc_u, pg, pu, NH, BM, BK, U, DOT, PROMOTE)
@@ -294,21 +303,17 @@ def _unfolded_step(packed, act_s, s, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u,
 
 
 @gluon.jit
-def _bf16_step(packed, act, loaded, s, i, num_steps, codes_g, codes_u, cur_wg, cur_wu, cur_sg, cur_su, fac0_g, fac0_u,
-               acc_g, acc_u, g: gl.constexpr, TAIL: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr,
-               BK: gl.constexpr, NUM_STAGES: gl.constexpr, U: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr,
-               SC: gl.constexpr, PAIRED: gl.constexpr, SCALE_WORDS: gl.constexpr):
-    """One K step of W4A16 (step ``g`` of its scale word's group): the next step's codes loaded (shared) while this
+def _bf16_step(packed, act, loaded, s, i, num_steps, codes_g, codes_u, cur_wg, cur_wu, fac0_g, fac0_u, acc_g, acc_u,
+               g: gl.constexpr, TAIL: gl.constexpr, NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+               NUM_STAGES: gl.constexpr, U: gl.constexpr, WL: gl.constexpr, DOT: gl.constexpr, SC: gl.constexpr):
+    """One K step of W4A16 (step ``g`` of its scale load's group): the next step's codes loaded (shared) while this
     step's, converted with the block factors, go to the MMA; returns the accumulators and the next codes."""
     NB: gl.constexpr = BK // 32
-    # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks with PAIRED; no clamp (the field
-    # is in [0, 254])
-    if SCALE_WORDS:
-        f_g = _scale_word_factors(cur_wg, g * NB, fac0_g, NB, SC)
-        f_u = _scale_word_factors(cur_wu, g * NB, fac0_u, NB, SC)
-    else:
-        f_g = cur_sg * 0x00800080 + fac0_g
-        f_u = cur_su * 0x00800080 + fac0_u
+    PAIRED: gl.constexpr = NB % 2 == 0
+    # BF16x2 2**(126 + b - r): one multiply-add per (row, block), or per two blocks where NB is even (``PAIRED``); no
+    # clamp (the field is in [0, 254])
+    f_g = _scale_word_factors(cur_wg, g * NB, fac0_g, NB, SC)
+    f_u = _scale_word_factors(cur_wu, g * NB, fac0_u, NB, SC)
     cur_g = codes_g
     cur_u = codes_u
     if TAIL == 0 or i + 1 < num_steps:
@@ -317,7 +322,7 @@ def _bf16_step(packed, act, loaded, s, i, num_steps, codes_g, codes_u, cur_wg, c
         codes_g = _fragment_words(packed.index(t * NH), BM, BK, WL, U)
         if NH == 2:
             codes_u = _fragment_words(packed.index(t * NH + 1), BM, BK, WL, U)
-    xb = act.index(s).permute((1, 0))
+    xb = _act_stage(act, s, acc_g.shape[1]).permute((1, 0))
     acc_g = warpgroup_mma(_bf16_operand(cur_g, f_g, BM, BK, WL, DOT, PAIRED), xb, acc_g, is_async=True)
     if NH == 2:
         acc_u = warpgroup_mma(_bf16_operand(cur_u, f_u, BM, BK, WL, DOT, PAIRED), xb, acc_u, is_async=True)
@@ -331,7 +336,7 @@ def _bf16_step(packed, act, loaded, s, i, num_steps, codes_g, codes_u, cur_wg, c
 def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                  half_rows, K, top_k, first_step, num_steps, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                  BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 SCALE_WORDS: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
+                 SCALE_BYTES: gl.constexpr, U: gl.constexpr, EARLY_WEIGHTS: gl.constexpr = False,
                  DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
                  PROMOTE: gl.constexpr = 0, PROMOTE_SMEM: gl.constexpr = False):
     """K steps ``first_step .. first_step + num_steps - 1`` of a small-tile program on one warpgroup's ring
@@ -356,8 +361,6 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     # factors (``_fold_addend``)
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
-    s_ptrs = s_ptr + (w_row0 + sm.to(gl.int64))[:, None] * (K // 32) + first_step * NB + sb[None, :]
-    up_scales = half_rows * (K // 32)
     if FP8:
         tlo_g, thi_g, tlo_u, thi_u = _e4m3_row_addends(ref_ptr, w_row0, half_rows, sm, NH, FOLD, BM, SC)
     else:
@@ -373,27 +376,18 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
     total = zero  # (a placeholder: shared memory only with PROMOTE_SMEM)
     if PROMOTE_SMEM:  # ... and the FP32 sums of the earlier chains in shared memory (``pg``, ``pu`` the accumulators)
         total = _promoted_sums(zero, NH, BM, BT)
-    # scale bytes: with SCALE_WORDS (K % 128 == 0: a row's bytes start 4-byte aligned) one 32-bit load per
-    # row and G = 4/NB steps (one-byte loads per step crowd the memory-instruction queue, docs/perf-notes.md step 10),
-    # W4A8 taking its bytes out by shifts, W4A16 its factors (``_scale_word_factors``: two blocks' per word where NB is
-    # even, ``PAIRED``); without SCALE_WORDS NB bytes per row and step. Either is loaded one step (group of steps)
-    # before it is used.
-    G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
-    PAIRED: gl.constexpr = SCALE_WORDS and NB % 2 == 0
-    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K) + first_step // G
-    up_words = half_rows * (K // 128)
-    sc_g = gl.zeros([BM, NB], gl.int32, SC)
-    sc_u = sc_g
-    nxt_wg = gl.zeros([BM], gl.int32, gl.SliceLayout(1, SC))
+    # scale bytes: one load of SCALE_BYTES per row (4: K % 128 == 0, a row's bytes start 4-byte aligned; 2: K % 64 ==
+    # 0, gpt-oss's 2880) for G = SCALE_BYTES / NB steps, loaded one group before its use (byte loads per step crowd
+    # the memory-instruction queue: docs/perf-notes.md steps 10 and 54); W4A8 takes its bytes out by shifts, W4A16 its
+    # factors (``_scale_word_factors``: two blocks' per word where NB is even). 16-bit loads come
+    # sign-extended: both read their two bytes only
+    G: gl.constexpr = SCALE_BYTES // NB
+    w_rows = _scale_word_rows(s_ptr, w_row0, sm, K, SCALE_BYTES) + first_step // G
+    up_words = half_rows * (K // (32 * SCALE_BYTES))
+    nxt_wg = gl.load(w_rows).to(gl.int32)
     nxt_wu = nxt_wg
-    if SCALE_WORDS:
-        nxt_wg = gl.load(w_rows)
-        if NH == 2:
-            nxt_wu = gl.load(w_rows + up_words)
-    else:
-        sc_g = gl.load(s_ptrs).to(gl.int32)
-        if NH == 2:
-            sc_u = gl.load(s_ptrs + up_scales).to(gl.int32)
+    if NH == 2:
+        nxt_wu = gl.load(w_rows + up_words).to(gl.int32)
     codes_g, codes_u = _first_codes(packed, loaded, NH, FP8, BM, BK, U, WL)
     # ``SPLIT_LOOP``: the K loop in two parts, first the scale-word groups all of whose steps refill the ring, load the
     # next codes and the next scale word within these steps (no per-step tests: each costs instructions in every step),
@@ -403,11 +397,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
         for jg in range(0 if TAIL == 0 else n_main, n_main if TAIL == 0 else gl.cdiv(num_steps, G)):
             cur_wg = nxt_wg
             cur_wu = nxt_wu
-            if SCALE_WORDS:
-                if TAIL == 0 or (jg + 1) * G < num_steps:
-                    nxt_wg = gl.load(w_rows + jg + 1)
-                    if NH == 2:
-                        nxt_wu = gl.load(w_rows + up_words + jg + 1)
+            if TAIL == 0 or (jg + 1) * G < num_steps:
+                nxt_wg = gl.load(w_rows + jg + 1).to(gl.int32)
+                if NH == 2:
+                    nxt_wu = gl.load(w_rows + up_words + jg + 1).to(gl.int32)
             for g in gl.static_range(G):
                 i = jg * G + g
                 if TAIL == 0 or i < num_steps:
@@ -417,26 +410,19 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
                     if TAIL == 0 or nxt < num_steps:
                         _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, nxt % NUM_STAGES,
                                      first_step + nxt, NH, BK, U, 0, True)
-                    if SCALE_WORDS and FP8:
-                        shift = (8 * (g * NB + sb))[None, :]
-                        sc_g = (cur_wg[:, None] >> shift) & 0xFF
-                        sc_u = (cur_wu[:, None] >> shift) & 0xFF
-                    cur_sg = sc_g
-                    cur_su = sc_u
-                    if not SCALE_WORDS and (TAIL == 0 or i + 1 < num_steps):
-                        sc_g = gl.load(s_ptrs + (i + 1) * NB).to(gl.int32)
-                        if NH == 2:
-                            sc_u = gl.load(s_ptrs + up_scales + (i + 1) * NB).to(gl.int32)
                     if FP8:
+                        shift = (8 * (g * NB + sb))[None, :]
+                        cur_sg = (cur_wg[:, None] >> shift) & 0xFF
+                        cur_su = (cur_wu[:, None] >> shift) & 0xFF
                         acc_g, acc_u, pg, pu = _fp8_step(packed, act, loaded, s, i, num_steps, cur_sg, cur_su, tlo_g,
                                                          thi_g, tlo_u, thi_u, acc_g, acc_u, pg, pu, total, zero, sb,
                                                          NH, BM, BK, NUM_STAGES, U, DOT, ROWS, SC, MMA, FOLD, PROMOTE,
                                                          PROMOTE_SMEM)
                     else:
                         acc_g, acc_u, codes_g, codes_u = _bf16_step(packed, act, loaded, s, i, num_steps, codes_g,
-                                                                    codes_u, cur_wg, cur_wu, cur_sg, cur_su, fac0_g,
-                                                                    fac0_u, acc_g, acc_u, g, TAIL, NH, BM, BK,
-                                                                    NUM_STAGES, U, WL, DOT, SC, PAIRED, SCALE_WORDS)
+                                                                    codes_u, cur_wg, cur_wu, fac0_g, fac0_u,
+                                                                    acc_g, acc_u, g, TAIL, NH, BM, BK, NUM_STAGES,
+                                                                    U, WL, DOT, SC)
     if PROMOTE_SMEM:
         acc_g = total.index(0).load(MMA) + pg
         if NH == 2:
@@ -445,10 +431,10 @@ def _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pack
 
 
 @gluon.jit
-def _first_half_steps(num_k, NB: gl.constexpr, SCALE_WORDS: gl.constexpr):
+def _first_half_steps(num_k, NB: gl.constexpr, SCALE_BYTES: gl.constexpr):
     """K steps of the first of two halves of ``num_k`` (the K split over two warpgroups or two programs), at whole
-    scale-word groups (``_small_steps``: 4 / NB steps per word with ``SCALE_WORDS``)."""
-    G: gl.constexpr = 4 // NB if SCALE_WORDS else 1
+    scale-load groups (``_small_steps``: SCALE_BYTES / NB steps per load)."""
+    G: gl.constexpr = SCALE_BYTES // NB
     return (num_k // (2 * G)) * G
 
 
@@ -456,7 +442,7 @@ def _first_half_steps(num_k, NB: gl.constexpr, SCALE_WORDS: gl.constexpr):
 def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                            half_rows, K, top_k, first_step, num_steps, partial, done, GEMM1: gl.constexpr,
                            NH: gl.constexpr, FP8: gl.constexpr, BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, SCALE_WORDS: gl.constexpr, U: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, SCALE_BYTES: gl.constexpr, U: gl.constexpr,
                            DIRECT: gl.constexpr = False, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
                            PROMOTE: gl.constexpr = 0):
     """``_small_steps`` on the second warpgroup of a K-split program: its accumulators go to ``partial``
@@ -464,7 +450,7 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
     _wait_for_previous_kernel()  # (the default partition waited too; this partition's reads must not pass it)
     acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0,
                                 slot0, half_rows, K, top_k, first_step, num_steps, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES,
-                                SCALE_WORDS, U, False, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)
+                                SCALE_BYTES, U, False, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)
     partial.index(0).store(acc_g)
     if NH == 2:
         partial.index(1).store(acc_u)
@@ -475,7 +461,7 @@ def _small_steps_to_shared(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes
 def _split_k_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
                    half_rows, K, top_k, num_k, GEMM1: gl.constexpr, NH: gl.constexpr, FP8: gl.constexpr,
                    BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   SCALE_WORDS: gl.constexpr, U: gl.constexpr, DIRECT: gl.constexpr, SPLIT_LOOP: gl.constexpr,
+                   SCALE_BYTES: gl.constexpr, U: gl.constexpr, DIRECT: gl.constexpr, SPLIT_LOOP: gl.constexpr,
                    FOLD: gl.constexpr, PROMOTE: gl.constexpr, SPLIT_REGS: gl.constexpr, MMA: gl.constexpr):
     """``KSPLIT=2``: a second warpgroup runs the second half of the K steps on its own ring (decode: one program per
     SM issues too few instructions per cycle); its sums are added after the first half's, in that order."""
@@ -484,14 +470,14 @@ def _split_k_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, pa
     partial = gl.allocate_shared_memory(gl.float32, [NH, BM, BT], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(done, count=1)
-    half = _first_half_steps(num_k, NB, SCALE_WORDS)
+    half = _first_half_steps(num_k, NB, SCALE_BYTES)
     acc_g, acc_u = gl.warp_specialize([
         (_small_steps, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded, w_row0, slot0,
-                        half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, U, False,
+                        half_rows, K, top_k, 0, half, GEMM1, NH, FP8, BM, BT, BK, NUM_STAGES, SCALE_BYTES, U, False,
                         DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
         (_small_steps_to_shared, (a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed2, act2, loaded2,
                                   w_row0, slot0, half_rows, K, top_k, half, num_k - half, partial, done, GEMM1, NH,
-                                  FP8, BM, BT, BK, NUM_STAGES, SCALE_WORDS, U, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
+                                  FP8, BM, BT, BK, NUM_STAGES, SCALE_BYTES, U, DIRECT, SPLIT_LOOP, FOLD, PROMOTE)),
     ], [4], [SPLIT_REGS])
     mbarrier.wait(done, 0)
     acc_g = acc_g + partial.index(0).load(MMA)
@@ -523,17 +509,63 @@ def _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, so
 
 
 @gluon.jit
+def _small_tile(a, w, pack, out, dims, joins, packed, act, loaded, tile, BT: gl.constexpr, GEMM1: gl.constexpr,
+                SWIGLUOAI: gl.constexpr, FP8: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
+                NH: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, OUT_I64: gl.constexpr,
+                SCALE_BYTES: gl.constexpr, KSPLIT: gl.constexpr, PAIR: gl.constexpr, EARLY_WEIGHTS: gl.constexpr,
+                W_UNIT: gl.constexpr, DIRECT: gl.constexpr, SPLIT_REGS: gl.constexpr, K_PARTS: gl.constexpr,
+                SPLIT_LOOP: gl.constexpr, FOLD: gl.constexpr, PROMOTE: gl.constexpr, PROMOTE_SMEM: gl.constexpr):
+    """A program's tile (``tile``: its expert, first output column, weight row, slot and the halves' distance, the
+    program ids) on ``BT`` routed rows as the MMAs' N (the entry kernel's tile height, or its first half: ``act`` the
+    ring's first ``BT`` rows then): the K steps, the K parts' join and the epilogue."""
+    a_ptr, a_scale_ptr, stride_a = a
+    w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
+    sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
+    out_ptr, stride_out, topk_weights_ptr = out
+    N, K, top_k, limit, alpha = dims
+    sum_out_ptr, stride_sum_out, counters_ptr, parts_ptr = joins
+    expert, n0, w_row0, slot0, half_rows, pid_n, pid_t = tile
+    NB: gl.constexpr = BK // 32
+    num_k = K // BK
+    MMA: gl.constexpr = _small_mma_layout(BT, FP8)
+    if KSPLIT == 1:
+        first_k = 0
+        steps = num_k
+        if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
+            part = _first_half_steps(num_k, NB, SCALE_BYTES)
+            first_k = gl.program_id(2) * part
+            steps = part + gl.program_id(2) * (num_k - 2 * part)
+        acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
+                                    loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
+                                    BM, BT, BK, NUM_STAGES, SCALE_BYTES, W_UNIT, EARLY_WEIGHTS, DIRECT,
+                                    SPLIT_LOOP, FOLD, PROMOTE, PROMOTE_SMEM)
+    else:
+        acc_g, acc_u = _split_k_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
+                                      w_row0, slot0, half_rows, K, top_k, num_k, GEMM1, NH, FP8, BM, BT, BK,
+                                      NUM_STAGES, SCALE_BYTES, W_UNIT, DIRECT, SPLIT_LOOP, FOLD, PROMOTE,
+                                      SPLIT_REGS, MMA)
+    last = True
+    if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
+        acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
+    if last:
+        _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
+                        stride_out, topk_weights_ptr, expert, w_row0, n0, slot0, half_rows, N, top_k, limit, alpha,
+                        GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT, NH, PAIR, FOLD)
+
+
+@gluon.jit
 def moe_gemm_small_kernel(
     a, w, pack, out, dims, direct, joins, fold_ptr,
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BM: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
-    OUT_I64: gl.constexpr = True, SCALE_WORDS: gl.constexpr = False, KSPLIT: gl.constexpr = 1,
+    OUT_I64: gl.constexpr = True, SCALE_BYTES: gl.constexpr = 4, KSPLIT: gl.constexpr = 1,
     PAIR: gl.constexpr = False, EARLY_WEIGHTS: gl.constexpr = False, W_UNIT: gl.constexpr = 64,
     DIRECT: gl.constexpr = False, HAS_MAP: gl.constexpr = False, SUM_ROUTES: gl.constexpr = False,
     TOP_K: gl.constexpr = 0, SPLIT_REGS: gl.constexpr = 128, K_PARTS: gl.constexpr = 1,
     SUB_TILES: gl.constexpr = 1, SPLIT_LOOP: gl.constexpr = False, FOLD: gl.constexpr = False,
     PROMOTE: gl.constexpr = 0, PROMOTE_SMEM: gl.constexpr = False, REPEAT_LAST: gl.constexpr = False,
+    HALF_TILES: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for small route tiles on one warpgroup; its flags: the module docstring."""
     a_ptr, a_scale_ptr, stride_a = a
@@ -551,6 +583,7 @@ def moe_gemm_small_kernel(
     gl.static_assert(K_PARTS == 1 or (K_PARTS == 2 and DIRECT and GEMM1 and KSPLIT == 1))
     gl.static_assert(BT <= 128)  # (the 256-row tiles: sm90_wide.moe_gemm_wide_kernel)
     gl.static_assert(not SPLIT_LOOP or not FP8)
+    gl.static_assert(not HALF_TILES or (KSPLIT == 1 and K_PARTS == 1 and SUB_TILES == 1 and BT >= 16))
     gl.static_assert(not PROMOTE_SMEM or (FOLD and PROMOTE > 0 and KSPLIT == 1))
     # programmatic dependent launch: wait for the previous kernel before reading what it wrote, on every path.
     # GEMM2 with ``EARLY_WEIGHTS`` reads the route pack and copies its first weight stages first: the kernel
@@ -575,40 +608,27 @@ def moe_gemm_small_kernel(
             has_tile = has_tile & ((gl.load(fold_ptr + gl.where(has_tile, expert, 0)) != 0) == FOLD)
     WIDTH: gl.constexpr = 2 * BM if PAIR else BM  # output columns per program
     if has_tile:
-        NB: gl.constexpr = BK // 32
         NH: gl.constexpr = 2 if GEMM1 or PAIR else 1
         # GEMM1: gate rows, up rows N further; PAIR: 2 * BM consecutive rows
         expert, n0, w_row0, slot0 = _origin(expert, pid_t, pid_n, N, 2 if GEMM1 else 1, WIDTH, BT)
         half_rows = N if GEMM1 else BM
         if REPEAT_LAST:  # PAIR at N % 128 == 64 (gpt-oss's 2880): the last program's second block repeats its first,
             half_rows = gl.minimum(BM, N - BM - n0)  # unstored
-        num_k = K // BK
-        MMA: gl.constexpr = _small_mma_layout(BT, FP8)
         a_dtype: gl.constexpr = a_ptr.dtype.element_ty
         packed, act, loaded = _small_ring(a_dtype, NH, BM, BT, BK, NUM_STAGES, W_UNIT)
-        if KSPLIT == 1:
-            first_k = 0
-            steps = num_k
-            if K_PARTS == 2:  # program (pid_n, pid_t, p) runs part p of the K steps
-                part = _first_half_steps(num_k, NB, SCALE_WORDS)
-                first_k = gl.program_id(2) * part
-                steps = part + gl.program_id(2) * (num_k - 2 * part)
-            acc_g, acc_u = _small_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act,
-                                        loaded, w_row0, slot0, half_rows, K, top_k, first_k, steps, GEMM1, NH, FP8,
-                                        BM, BT, BK, NUM_STAGES, SCALE_WORDS, W_UNIT, EARLY_WEIGHTS, DIRECT,
-                                        SPLIT_LOOP, FOLD, PROMOTE, PROMOTE_SMEM)
-        else:
-            acc_g, acc_u = _split_k_steps(a_ptr, stride_a, w_ptr, s_ptr, ref_ptr, sorted_routes_ptr, packed, act, loaded,
-                                          w_row0, slot0, half_rows, K, top_k, num_k, GEMM1, NH, FP8, BM, BT, BK,
-                                          NUM_STAGES, SCALE_WORDS, W_UNIT, DIRECT, SPLIT_LOOP, FOLD, PROMOTE,
-                                          SPLIT_REGS, MMA)
-        last = True
-        if K_PARTS == 2:  # the second of the two programs to finish adds the first's sums and does the epilogue
-            acc_g, acc_u, last = _join_k_parts(acc_g, acc_u, parts_ptr, counters_ptr, pid_n, pid_t, BM, BT, MMA)
-        if last:
-            _small_epilogue(acc_g, acc_u, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr,
-                            stride_out, topk_weights_ptr, expert, w_row0, n0, slot0, half_rows, N, top_k, limit, alpha,
-                            GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA, DIRECT, NH, PAIR, FOLD)
+        tile = (expert, n0, w_row0, slot0, half_rows, pid_n, pid_t)
+        # HALF_TILES: a tile whose second half holds no route runs its MMAs and activation copies on its first half
+        # (without a route pack every tile holds one route: DIRECT takes the full height)
+        HEIGHTS: gl.constexpr = 2 if HALF_TILES and not DIRECT else 1
+        halved = False
+        if HEIGHTS == 2:
+            halved = gl.load(sorted_routes_ptr + slot0 + BT // 2) < 0
+        for h in gl.static_range(HEIGHTS):  # (one instance per height, the tile runs one)
+            if halved == (h == 1):
+                _small_tile(a, w, pack, out, dims, joins, packed, act, loaded, tile, BT >> h,
+                            GEMM1, SWIGLUOAI, FP8, HAS_BIAS, HAS_GSCALE, NH, BM, BK, NUM_STAGES, OUT_I64, SCALE_BYTES,
+                            KSPLIT, PAIR, EARLY_WEIGHTS, W_UNIT, DIRECT, SPLIT_REGS, K_PARTS, SPLIT_LOOP, FOLD, PROMOTE,
+                            PROMOTE_SMEM)
     else:
         if EARLY_WEIGHTS:
             # a program without a tile waits too: a kernel must not complete before the one it follows (else the
