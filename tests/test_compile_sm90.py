@@ -60,6 +60,9 @@ def test_every_kind_of_config_is_compiled(reports):
     # W4A16 with scale words on one K32 block per step (per-block factors) and on two or four (paired factors)
     assert {r["config"]["block_k"] for r in small if not r["fp8"] and r["config"]["scale_words"]} >= {32, 64, 128}
     assert {r["config"]["k_split"] for r in small} == {1, 2}
+    # W4A16 small tiles of 32+ rows also run a tile on its first half (both GEMMs); decode tiles do not
+    assert {r["gemm1"] for r in small if r["config"]["half_tiles"]} == {True, False}
+    assert {r["config"]["half_tiles"] for r in small} == {True, False}
     assert {r["config"]["pair"] for r in small} == {True, False}
     assert {r["fp8"] for r in small} == {True, False}
     # the W4A8 prefill kernel: both GEMMs, 64- and 128-row tiles, the tests' 1024-K chains, a K tail (K = 2880)

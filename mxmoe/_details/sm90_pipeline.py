@@ -135,7 +135,8 @@ def _issue_stage(packed, act, loaded, w_ptrs, a_ptrs, ok, half_rows, row_bytes, 
     the packed rows only; 2: the rest (activation rows, arrive). ``JOINED``: ``w_ptrs`` cover both halves
     (``_copy_pointers`` with NH = 2), one copy into the slot's halves viewed as one [NH BM, BK/2] tile: Triton's
     shared-memory barrier pass puts a CTA barrier between two copies into one allocation (docs/perf-notes.md
-    step 18). ``a_ptrs`` may cover part of the activation tile: its rows from ``ACT_ROW0`` (the wide tiles)."""
+    step 18). ``a_ptrs`` may cover part of the activation tile: its rows from ``ACT_ROW0`` (the wide tiles; the halved
+    small tiles' first half)."""
     if PART != 2 and JOINED:
         SLOTS: gl.constexpr = packed.shape[0] // NH
         ROWS: gl.constexpr = NH * packed.shape[1]

@@ -30,7 +30,10 @@ accumulator chained over K (``PROMOTE`` = P > 0: over P steps at a time, each su
 shared memory with ``PROMOTE_SMEM``), 2**(ref - 133) per row after it; only the tiles of experts whose flag is 1, and
 without ``FOLD`` only those whose flag is 0. ``SUB_TILES`` = 2 (GEMM2 on a pack of the wide GEMM1's 256-row tiles):
 program column t takes rows ``t * BT ..`` of tile t // 2, and none where that half holds no routed row. ``SPLIT_LOOP``
-(W4A16): the K loop's steps that refill within the program run untested (``_small_steps``).
+(W4A16): the K loop's steps that refill within the program run untested (``_small_steps``). ``HALF_TILES`` (W4A16
+tiles of 32 rows or more, with a route pack): a tile whose second half holds no route runs its K loop, MMAs (N = BT/2)
+and activation copies on its first half (``_small_tile``, one instance per height). ``SCALE_BYTES``: the scale bytes
+per row and load, 4 (K % 128 == 0) or 2.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -516,8 +519,9 @@ def _small_tile(a, w, pack, out, dims, joins, packed, act, loaded, tile, BT: gl.
                 W_UNIT: gl.constexpr, DIRECT: gl.constexpr, SPLIT_REGS: gl.constexpr, K_PARTS: gl.constexpr,
                 SPLIT_LOOP: gl.constexpr, FOLD: gl.constexpr, PROMOTE: gl.constexpr, PROMOTE_SMEM: gl.constexpr):
     """A program's tile (``tile``: its expert, first output column, weight row, slot and the halves' distance, the
-    program ids) on ``BT`` routed rows as the MMAs' N (the entry kernel's tile height, or its first half: ``act`` the
-    ring's first ``BT`` rows then): the K steps, the K parts' join and the epilogue."""
+    program ids) on ``BT`` routed rows as the MMAs' N, the entry kernel's tile height or its first half (the ring's
+    activation stages then copied and read on their first ``BT`` rows): the K steps, the K parts' join and the
+    epilogue."""
     a_ptr, a_scale_ptr, stride_a = a
     w_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr = w
     sorted_routes_ptr, tile_expert_ptr, num_tiles_ptr = pack
