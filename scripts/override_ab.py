@@ -1,10 +1,12 @@
 """Same-process A/B of launch overrides (developer tool): whole-call CUDA-graph replays, alternating rounds, with
 bit-identity against the first variant and each kernel's time (torch profiler, last).
 
-    python3 scripts/override_ab.py 16,1024,8192 '[{}, {"pdl": false}]' [--prec w4a16] [--rounds 6]
+    python3 scripts/override_ab.py 16,1024,8192 '[{}, {"pdl": false}]' [--prec w4a16] [--rounds 6] [--shape E,H,I,k]
 
-Each variant is keyword arguments of ``mxmoe._details.config.overrides``. Reference shape, seeded random weights,
-uniform random routing; then, per T, the same on ids with masked routes (-1 and >= E) for bit-identity only."""
+Each variant is keyword arguments of ``mxmoe._details.config.overrides`` (e.g. ``{"gemm": {"half_tiles": false}}``)
+and gets a workspace sized under it (overrides may change what a call needs, e.g. the wide tiles' pack). Reference
+shape unless ``--shape`` (gpt-oss-120b: 128,2880,2880,4), seeded random weights, uniform random routing; then, per T,
+the same on ids with masked routes (-1 and >= E) for bit-identity only."""
 import argparse
 import json
 import statistics
@@ -21,9 +23,10 @@ ap.add_argument("tokens")
 ap.add_argument("variants")
 ap.add_argument("--prec", default="w4a16")
 ap.add_argument("--rounds", type=int, default=6)
+ap.add_argument("--shape", default="288,4096,1024,8")
 args = ap.parse_args()
 variants = json.loads(args.variants)
-E, H, I, top_k = 288, 4096, 1024, 8
+E, H, I, top_k = (int(v) for v in args.shape.split(","))
 experts = random_experts(E, H, I)
 
 rows = []
@@ -38,16 +41,16 @@ for T in [int(t) for t in args.tokens.split(",")]:
     masked[drop < 0.2] = -1
     masked[(drop >= 0.2) & (drop < 0.3)] = E + 5
     masked[T // 2] = ids[T // 2]  # (a token with none masked, whatever T)
-    ws = mxmoe.Workspace(experts, T, top_k, fp8=args.prec == "w4a8")
     outs, graphs, same, same_masked = [], [], [], []
     for v in variants:
         out = torch.full_like(x, float("nan"))
         with overrides(**v):
+            ws = mxmoe.Workspace(experts, T, top_k, fp8=args.prec == "w4a8")
             run(x, experts, w, masked, args.prec, out, ws)
             torch.cuda.synchronize()
             out_masked = out.clone()
             out.fill_(float("nan"))
-            fn = (lambda out=out: run(x, experts, w, ids, args.prec, out, ws))
+            fn = (lambda out=out, ws=ws: run(x, experts, w, ids, args.prec, out, ws))
             fn()
             torch.cuda.synchronize()
             outs.append((out.clone(), out_masked))
@@ -70,9 +73,10 @@ for T in [int(t) for t in args.tokens.split(",")]:  # kernel times last: the pro
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids = torch.stack([torch.randperm(E, device="cuda")[:top_k] for _ in range(T)]).int()
     w = torch.rand(T, top_k, device="cuda")
-    ws, out = mxmoe.Workspace(experts, T, top_k, fp8=args.prec == "w4a8"), torch.empty_like(x)
+    out = torch.empty_like(x)
     for v in variants:
         with overrides(**v):
+            ws = mxmoe.Workspace(experts, T, top_k, fp8=args.prec == "w4a8")
             ks = kernel_times(lambda: run(x, experts, w, ids, args.prec, out, ws))
         print(f"T={T} {json.dumps(v)} kernels us: " + " ".join(f"{d:.1f}" for _, d in ks), flush=True)
 print("\n| T | variant | graph us | vs first | bitwise | masked bitwise | NaN |")
