@@ -104,8 +104,7 @@ class GemmConfig:
         if self.wide and not (self.block_rows in (128, WIDE_ROWS) and not fp8 and self.k_split == 1
                               and self.k_parts == 1):
             raise ValueError(f"wide takes W4A16 on 128- or {WIDE_ROWS}-row tiles, no K split")
-        if self.half_tiles and (self.wide or self.k_split != 1 or self.k_parts != 1 or self.sub_tiles != 1
-                                or self.block_rows < 32):
+        if self.half_tiles and not halves_fit(self.block_rows, self.wide, self.k_split, self.k_parts, self.sub_tiles):
             raise ValueError("half_tiles is for small tiles of 32 rows or more, without K split or sub-tiles")
         if self.extra_rows and not (self.extra_rows == WIDE_EXTRA and self.wide):
             raise ValueError(f"extra_rows ({self.extra_rows}) is {WIDE_EXTRA} on W4A16's wide tiles only")
@@ -500,11 +499,16 @@ def _split_loop(cfg: dict, k: int, fp8: bool) -> bool:
     return not (fp8 or cfg["wide"]) and steps >= SPLIT_LOOP_MIN_STEPS
 
 
+def halves_fit(block_rows: int, wide: bool, k_split: int, k_parts: int, sub_tiles: int) -> bool:
+    """Whether a small-tile config can run a tile on its first half (``half_tiles``): tiles of 32 rows or more, no K
+    split, no sub-tiles."""
+    return block_rows >= 32 and not wide and k_split == 1 and k_parts == 1 and sub_tiles == 1
+
+
 def _half_tiles(cfg: dict, fp8: bool) -> bool:
-    """W4A16 small tiles of 32 rows or more: a tile whose second half holds no route (an expert's last tile; most
+    """W4A16 where the tiles can run halved: a tile whose second half holds no route (an expert's last tile; most
     tiles where experts average about half a tile) runs the MMAs and activation copies of its first half (step 54)."""
-    return not (fp8 or cfg["wide"]) and cfg["block_rows"] >= 32 and cfg["k_split"] == 1 and cfg["k_parts"] == 1 \
-        and cfg["sub_tiles"] == 1
+    return not fp8 and halves_fit(cfg["block_rows"], cfg["wide"], cfg["k_split"], cfg["k_parts"], cfg["sub_tiles"])
 
 
 def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count) -> GemmConfig:
