@@ -2,13 +2,20 @@
 51 and 54): copies of the package with one part of the step removed, timed in one process beside the package itself.
 Outputs of a knockout are wrong by construction; only its kernel times mean anything.
 
-    python3 scripts/knockouts.py E,H,I,TOPK T ['{config override}']     # from the repository root, on a GPU
+    python3 scripts/knockouts.py E,H,I,TOPK T ['{config override}'] [--prec w4a8] [--only ko_a,ko_b]
+    # from the repository root, on a GPU
 
 Knockouts: ``ko_act`` no activation copies (the ring's activation slots stay stale; their ``loaded`` arrivals and the
 extra rows' copies stay),
 ``ko_conv`` a constant MMA operand instead of the weight conversion (the code loads go dead with it; wide and small
 tiles), ``ko_w`` no weight copies (the ring's code slots stay stale, the wide extra rows' copies stay), ``ko_act_conv``
-ko_act and ko_conv. The copies live in /tmp/mxmoe_knockouts (rebuilt each run; each registers its own custom-op namespace)."""
+ko_act and ko_conv. W4A8 (``--prec w4a8``; every W4A8 kernel's E4M3 table conversion, ``convert._e4m3_table_asm``):
+``ko8_conv`` keeps the two table multiply-adds and xors them with the word (4 instructions per word instead of 15: every
+input stays live), ``ko8_cheap`` the 9-instruction form a W4A8-first layout would allow (perf-notes step 45: ``eem`` in
+each nibble's low bits, the signs at the nibble tops where one shift puts them on the byte tops). W4A16's price for such
+a layout: ``ko16_plus3`` / ``ko16_plus6``, 3 / 6 more instructions per prepared word in every BF16 conversion (16 and 19
+instead of 13). The copies live in /tmp/mxmoe_knockouts (rebuilt each run; each registers its own custom-op namespace)."""
+import argparse
 import importlib
 import json
 import os
@@ -37,6 +44,38 @@ KNOCKOUTS = {
               "            pass\n")],
 }
 KNOCKOUTS["ko_act_conv"] = KNOCKOUTS["ko_act"] + KNOCKOUTS["ko_conv"]
+_E4M3_LOOKUP = """        shr.b32 t, $2, 2; shl.b32 u, $2, 8; lop3.b32 v, u, $2, 0x03000300, 0xE4; prmt.b32 n, t, v, 0x7520;
+        and.b32 s, n, 0x77777777; prmt.b32 $0, ta, tb, s; shr.b32 h, s, 16; prmt.b32 $1, ta, tb, h;
+        shl.b32 m, n, 4; prmt.b32 s, n, m, 0xBFAE; prmt.b32 h, n, m, 0xC9D8;
+        lop3.b32 $0, $0, s, 0x80808080, 0xF8; lop3.b32 $1, $1, h, 0x80808080, 0xF8;
+"""
+KNOCKOUTS_W4A8 = {
+    "ko8_conv": [("_details/convert.py", _E4M3_LOOKUP, "        xor.b32 $0, ta, $2; xor.b32 $1, tb, $2;\n")],
+    "ko8_cheap": [("_details/convert.py", _E4M3_LOOKUP,
+                   "        and.b32 s, $2, 0x77777777; prmt.b32 $0, ta, tb, s; shr.b32 h, s, 16; prmt.b32 $1, ta, tb, h;\n"
+                   "        lop3.b32 $0, $0, $2, 0x80808080, 0xF8; shl.b32 m, $2, 4; lop3.b32 $1, $1, m, 0x80808080, 0xF8;\n")],
+}
+KNOCKOUTS.update(KNOCKOUTS_W4A8)
+# W4A16's price for another layout: more instructions per prepared word in every W4A16 conversion (``convert._bf16_halves_asm``)
+_BF16_PAIRS = ("        and.b32 t, $8, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$0, $1}, t;\n"
+               "        shl.b32 t, $8, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$2, $3}, t;\n"
+               "        shf.l.wrap.b32 t, $8, $8, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$4, $5}, t;\n")
+KNOCKOUTS.update({
+    "ko16_plus3": [("_details/convert.py", _BF16_PAIRS,  # 16 per word: one shift, a bit-select in 2 pairs
+                    "        shr.b32 u, $8, 3; and.b32 t, $8, 0x81C081C0; lop3.b32 t, t, u, 0x80008000, 0xF8; "
+                    "mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$0, $1}, t;\n"
+                    "        shl.b32 t, $8, 4; and.b32 t, t, 0x81C081C0; lop3.b32 t, t, u, 0x80008000, 0xF8; "
+                    "mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$2, $3}, t;\n"
+                    "        shf.l.wrap.b32 t, $8, $8, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; "
+                    "mov.b32 {$4, $5}, t;\n")],
+    "ko16_plus6": [("_details/convert.py", _BF16_PAIRS,  # 19 per word: a second shift and a bit-select in 3 pairs
+                    "        shr.b32 u, $8, 3; and.b32 t, $8, 0x81C081C0; lop3.b32 t, t, u, 0x80008000, 0xF8; "
+                    "mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$0, $1}, t;\n"
+                    "        shl.b32 t, $8, 4; shr.b32 u, $8, 5; and.b32 t, t, 0x81C081C0; lop3.b32 t, t, u, 0x80008000, 0xF8; "
+                    "mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$2, $3}, t;\n"
+                    "        shf.l.wrap.b32 t, $8, $8, 10; shr.b32 u, $8, 7; and.b32 t, t, 0x81C081C0; "
+                    "lop3.b32 t, t, u, 0x80008000, 0xF8; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$4, $5}, t;\n")],
+})
 
 
 def build(name: str, patches: list) -> None:
@@ -55,25 +94,32 @@ def build(name: str, patches: list) -> None:
 
 
 def main(argv):
-    E, H, I, top_k = (int(v) for v in argv[0].split(","))
-    T = int(argv[1])
-    override = json.loads(argv[2]) if len(argv) > 2 else {}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape")
+    ap.add_argument("tokens", type=int)
+    ap.add_argument("override", nargs="?", default="{}")
+    ap.add_argument("--prec", default="w4a16", choices=("w4a16", "w4a8"))
+    ap.add_argument("--only", default="", help="comma-separated knockouts (default: every one of the precision's)")
+    a = ap.parse_args(argv)
+    E, H, I, top_k = (int(v) for v in a.shape.split(","))
+    T, override, fp8 = a.tokens, json.loads(a.override), a.prec == "w4a8"
+    names = a.only.split(",") if a.only else [n for n in KNOCKOUTS if n.startswith("ko8_") == fp8]
     os.makedirs(ROOT, exist_ok=True)
-    for name, patches in KNOCKOUTS.items():
-        build(name, patches)
+    for name in names:
+        build(name, KNOCKOUTS[name])
     sys.path.insert(0, ROOT)
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids = torch.randint(0, E, (T, top_k), device="cuda", dtype=torch.int32)
     w = torch.rand(T, top_k, device="cuda")
     calls = {}
-    for name in ["mxmoe", *KNOCKOUTS]:
+    for name in ["mxmoe", *names]:
         pkg = importlib.import_module(name)
         launch = importlib.import_module(name + "._details.launch")
         config = importlib.import_module(name + "._details.config")
         testing = importlib.import_module(name + ".testing")
-        plan = importlib.import_module(name + ".selection").plan_layer(ids.numel(), precision="w4a16", capturing=False)
+        plan = importlib.import_module(name + ".selection").plan_layer(ids.numel(), precision=a.prec, capturing=False)
         experts = pkg.prepare_weights(**testing.random_code_sources(E, H, I, device="cuda", scale_lo=118, scale_hi=122))
-        workspace = pkg.Workspace(experts, T, top_k)
+        workspace = pkg.Workspace(experts, T, top_k, fp8=fp8)
         out = torch.empty_like(x)
 
         def call(launch=launch, config=config, experts=experts, workspace=workspace, out=out, plan=plan):
@@ -89,7 +135,7 @@ def main(argv):
         for name, call in calls.items():
             rows = kernel_times(call)
             gemms = " ".join(f"{us / 1000:.3f}" for nm, us in rows if "gemm" in nm)
-            print(f"T={T} {json.dumps(override)} {name:12s} call {sum(us for _, us in rows) / 1000:.3f} ms, "
+            print(f"{a.prec} T={T} {json.dumps(override)} {name:12s} call {sum(us for _, us in rows) / 1000:.3f} ms, "
                   f"GEMMs {gemms}", flush=True)
 
 
