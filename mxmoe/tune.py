@@ -3,7 +3,7 @@
 For each path and token bucket (``_details/tuned.TOKEN_BUCKETS``) the tuner times the call as the library runs it
 without tables (the heuristics of ``_details/config``), then candidates that change only
 ``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs, then each GEMM's pipeline stages, its K loop's form and
-its pairing of weight blocks, one knob at a time, keeping a change when it is faster. A candidate whose output is not
+its pairing of weight blocks (up to ``DECODE_ROWS`` routed rows also register caps), one knob at a time, keeping a change when it is faster. A candidate whose output is not
 bitwise the default's is rejected (and reported): a table changes speed, never results. The best is timed against
 the default once more, interleaved; an entry is written only when it wins by more than ``MIN_GAIN``.
 
@@ -71,6 +71,7 @@ class _Problem:
 
 DECODE_ROWS = 256  # routed rows up to which DECODE_STAGES are tried (decode streams weights: bytes in flight per SM)
 DECODE_STAGES = (2, 3, 4, 5, 6, 8, 10, 12)
+DECODE_REGS = (80, 96)  # register caps tried there: more programs per SM (bytes in flight, a shorter last wave)
 
 
 def _candidates_for(cfg, gemm1: bool, fp8: bool, routes: int) -> list:
@@ -84,6 +85,8 @@ def _candidates_for(cfg, gemm1: bool, fp8: bool, routes: int) -> list:
         out.append(dict(split_loop=not cfg.split_loop))
     if cfg.kernel == "gluon_small" and not gemm1 and not cfg.wide:
         out.append(dict(pair=not cfg.pair))
+    if cfg.kernel == "gluon_small" and not cfg.wide and routes <= DECODE_ROWS and not cfg.maxnreg:
+        out += [dict(maxnreg=r) for r in DECODE_REGS]
     return out
 
 
