@@ -140,29 +140,44 @@ def _stage_ops(packed, s, blk: gl.constexpr, sc, lo, hi, BK: gl.constexpr, U: gl
 
 
 @gluon.jit
-def _scale_bytes(s_ptrs, w_rows, i, SCALE_WORDS: gl.constexpr, NB: gl.constexpr, SC: gl.constexpr):
-    """Whole K step ``i``'s scale bytes [BM, NB] (int32, ``SC``) of an m-tile's rows: with ``SCALE_WORDS`` one 32-bit
-    word per row (128 K), else NB bytes."""
+def _scale_load(s_ptrs, w_rows, i, SCALE_WORDS: gl.constexpr, NB: gl.constexpr):
+    """Issue the loads of K step ``i``'s scale bytes of an m-tile's rows: with ``SCALE_WORDS`` one 32-bit word per row
+    (128 K), else NB bytes. The loaded values cross the loop's back edge as they are, unpacked at their use a step
+    later (``_scale_unpack``): unpacked here, the loads' latency stalled every step (perf-notes step 55)."""
     if SCALE_WORDS:
-        sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
-        word = gl.load(w_rows + i)
-        return (word[:, None] >> (8 * sb)[None, :]) & 0xFF
+        return gl.load(w_rows + i)
     else:
-        return gl.load(s_ptrs + i * NB).to(gl.int32)
+        return gl.load(s_ptrs + i * NB)
 
 
 @gluon.jit
-def _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, sc0, sc1, lo0, hi0, lo1, hi1, WG: gl.constexpr,
-                   BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr, NUM_STAGES: gl.constexpr, DOT: gl.constexpr,
-                   use_acc):
-    """Ring step ``c`` (``KB`` K of it): m-tile 0 converted and its MMAs issued, m-tile 1 converted while they run and
-    its MMAs issued; then wait for both and release the slot. (MMAs left in flight across the K loop's iterations make
-    ptxas serialize every wgmma, C7512, for want of registers: the other warpgroup's MMAs fill the tensor core while
-    this one converts.)"""
-    NBS: gl.constexpr = KB // 32
+def _scale_unpack(loaded, SCALE_WORDS: gl.constexpr, NB: gl.constexpr, SC: gl.constexpr):
+    """``_scale_load``'s values as scale bytes [BM, NB] (int32, ``SC``)."""
+    if SCALE_WORDS:
+        sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
+        return (loaded[:, None] >> (8 * sb)[None, :]) & 0xFF
+    else:
+        return loaded.to(gl.int32)
+
+
+@gluon.jit
+def _stage_ready(loaded, c, NUM_STAGES: gl.constexpr):
+    """Wait until ring step ``c``'s copies landed; its slot. (The caller issues the next step's scale loads after this:
+    the proxy fence compiles to a ``MEMBAR``, which would wait for loads issued before it.)"""
     s = c % NUM_STAGES
     mbarrier.wait(loaded.index(s), (c // NUM_STAGES) & 1)
     fence_async_shared()  # (the producer's cp.async wrote the activations; the wgmma reads them through the async proxy)
+    return s
+
+
+@gluon.jit
+def _consumer_step(packed, act, consumed, s, acc0, acc1, sc0, sc1, lo0, hi0, lo1, hi1, WG: gl.constexpr,
+                   BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr, DOT: gl.constexpr, use_acc):
+    """Ring slot ``s`` (``KB`` K of it, its copies landed: ``_stage_ready``): m-tile 0 converted and its MMAs issued,
+    m-tile 1 converted while they run and its MMAs issued; then wait for both and release the slot. (MMAs left in
+    flight across the K loop's iterations make ptxas serialize every wgmma, C7512, for want of registers: the other
+    warpgroup's MMAs fill the tensor core while this one converts.)"""
+    NBS: gl.constexpr = KB // 32
     act_s = act.index(s)  # (the tail step's MMAs read its first KB columns)
     ops0 = _stage_ops(packed, s, 2 * WG, sc0, lo0, hi0, BK, U, KB, DOT)
     acc0 = _fp8_chain(ops0, act_s, acc0, NBS, use_acc)
@@ -212,19 +227,20 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
             acc1 = zero
             tot0 = zero  # PROMOTE: the FP32 sums of the chains done
             tot1 = zero
-            nxt0 = _scale_bytes(s_ptrs0, w_rows0, 0, SCALE_WORDS, NB, SC)
-            nxt1 = _scale_bytes(s_ptrs1, w_rows1, 0, SCALE_WORDS, NB, SC)
+            nxt0 = _scale_load(s_ptrs0, w_rows0, 0, SCALE_WORDS, NB)
+            nxt1 = _scale_load(s_ptrs1, w_rows1, 0, SCALE_WORDS, NB)
             for i in range(num_full):
-                cur0 = nxt0
-                cur1 = nxt1
+                s = _stage_ready(loaded, c, NUM_STAGES)
+                cur0 = _scale_unpack(nxt0, SCALE_WORDS, NB, SC)
+                cur1 = _scale_unpack(nxt1, SCALE_WORDS, NB, SC)
                 if i + 1 < num_full:  # the next step's scale bytes, in flight through this one
-                    nxt0 = _scale_bytes(s_ptrs0, w_rows0, i + 1, SCALE_WORDS, NB, SC)
-                    nxt1 = _scale_bytes(s_ptrs1, w_rows1, i + 1, SCALE_WORDS, NB, SC)
+                    nxt0 = _scale_load(s_ptrs0, w_rows0, i + 1, SCALE_WORDS, NB)
+                    nxt1 = _scale_load(s_ptrs1, w_rows1, i + 1, SCALE_WORDS, NB)
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = i % PROMOTE != 0  # (False: a chain starts from zero)
-                acc0, acc1 = _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, cur0, cur1, lo0, hi0, lo1,
-                                            hi1, WG, BK, U, BK, NUM_STAGES, DOT, use_acc)
+                acc0, acc1 = _consumer_step(packed, act, consumed, s, acc0, acc1, cur0, cur1, lo0, hi0, lo1, hi1, WG,
+                                            BK, U, BK, DOT, use_acc)
                 if PROMOTE > 0:
                     if ((i + 1) % PROMOTE == 0) & (i + 1 < num_full + STEPS_TAIL):  # (the last chain: below)
                         tot0 += acc0
@@ -241,8 +257,9 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = num_full % PROMOTE != 0
-                acc0, acc1 = _consumer_step(packed, act, loaded, consumed, c, acc0, acc1, tail0, tail1, lo0, hi0, lo1,
-                                            hi1, WG, BK, U, K_TAIL, NUM_STAGES, DOT, use_acc)
+                s = _stage_ready(loaded, c, NUM_STAGES)
+                acc0, acc1 = _consumer_step(packed, act, consumed, s, acc0, acc1, tail0, tail1, lo0, hi0, lo1, hi1, WG,
+                                            BK, U, K_TAIL, DOT, use_acc)
                 c += 1
             if PROMOTE > 0:
                 acc0 = tot0 + acc0
