@@ -2,9 +2,10 @@
 
 For each path and token bucket (``_details/tuned.TOKEN_BUCKETS``) the tuner times the call as the library runs it
 without tables (the heuristics of ``_details/config``), then candidates that change only
-``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs, then each GEMM's pipeline stages, its K loop's form and
-its pairing of weight blocks (up to ``DECODE_ROWS`` routed rows also register caps), one knob at a time, keeping a change when it is faster. A candidate whose output is not
-bitwise the default's is rejected (and reported): a table changes speed, never results. The best is timed against
+``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs, then each GEMM's pipeline stages, its K loop's form,
+its pairing of weight blocks and (up to ``DECODE_ROWS`` routed rows) a register cap, one knob at a time, keeping a
+change when it is faster. A candidate whose output is not bitwise the default's is rejected (and reported): a table
+changes speed, never results. The best is timed against
 the default once more, interleaved; an entry is written only when it wins by more than ``MIN_GAIN``.
 
 Timing: every bucket as CUDA-graph replays, so that the GPU's time is what is compared (a tuned config changes no
@@ -13,8 +14,9 @@ JIT's host time); CUDA events, the median of ``samples`` back-to-back replays af
 random MXFP4 codes (scale bytes 118-122) and a uniform routing.
 
 An entry is measured at one T, its bucket's top, and records the kind of config the heuristics picked there
-(``tuned.kind``: kernel family, route tiles and K split per GEMM): calls of the bucket whose heuristics pick another kind do not take it. Tables
-apply to the Gluon kernels only; a bucket the library runs on the plain-Triton kernels is not tuned.
+(``tuned.kind``: kernel family, route tiles and K split per GEMM): calls of the bucket whose heuristics pick another
+kind do not take it. Tables apply to the Gluon kernels only; a bucket the library runs on the plain-Triton kernels is
+not tuned.
 """
 from __future__ import annotations
 

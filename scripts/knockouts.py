@@ -9,12 +9,14 @@ Knockouts: ``ko_act`` no activation copies (the ring's activation slots stay sta
 extra rows' copies stay),
 ``ko_conv`` a constant MMA operand instead of the weight conversion (the code loads go dead with it; wide and small
 tiles), ``ko_w`` no weight copies (the ring's code slots stay stale, the wide extra rows' copies stay), ``ko_act_conv``
-ko_act and ko_conv. W4A8 (``--prec w4a8``; every W4A8 kernel's E4M3 table conversion, ``convert._e4m3_table_asm``):
+ko_act and ko_conv. W4A8 (``--prec w4a8``; every W4A8 kernel's E4M3 table conversion,
+``convert._e4m3_table_asm``):
 ``ko8_conv`` keeps the two table multiply-adds and xors them with the word (4 instructions per word instead of 15: every
 input stays live), ``ko8_cheap`` the 9-instruction form a W4A8-first layout would allow (perf-notes step 45: ``eem`` in
 each nibble's low bits, the signs at the nibble tops where one shift puts them on the byte tops). W4A16's price for such
 a layout: ``ko16_plus3`` / ``ko16_plus6``, 3 / 6 more instructions per prepared word in every BF16 conversion (16 and 19
-instead of 13). The copies live in /tmp/mxmoe_knockouts (rebuilt each run; each registers its own custom-op namespace)."""
+instead of 13). The copies live in /tmp/mxmoe_knockouts/<pid> (rebuilt each run: processes side by side do not share
+them; each registers its own custom-op namespace)."""
 import argparse
 import importlib
 import json
@@ -24,7 +26,7 @@ import sys
 
 import torch
 
-ROOT = "/tmp/mxmoe_knockouts"
+ROOT = f"/tmp/mxmoe_knockouts/{os.getpid()}"
 KNOCKOUTS = {
     "ko_act": [("_details/sm90_pipeline.py",
                 "            _async_load(stage, a_ptrs + step * BK)\n        else:\n"
@@ -44,22 +46,26 @@ KNOCKOUTS = {
               "            pass\n")],
 }
 KNOCKOUTS["ko_act_conv"] = KNOCKOUTS["ko_act"] + KNOCKOUTS["ko_conv"]
-_E4M3_LOOKUP = """        shr.b32 t, $2, 2; shl.b32 u, $2, 8; lop3.b32 v, u, $2, 0x03000300, 0xE4; prmt.b32 n, t, v, 0x7520;
-        and.b32 s, n, 0x77777777; prmt.b32 $0, ta, tb, s; shr.b32 h, s, 16; prmt.b32 $1, ta, tb, h;
-        shl.b32 m, n, 4; prmt.b32 s, n, m, 0xBFAE; prmt.b32 h, n, m, 0xC9D8;
-        lop3.b32 $0, $0, s, 0x80808080, 0xF8; lop3.b32 $1, $1, h, 0x80808080, 0xF8;
-"""
+_E4M3_LOOKUP = ("        shr.b32 t, $2, 2; shl.b32 u, $2, 8; lop3.b32 v, u, $2, 0x03000300, 0xE4; "
+                "prmt.b32 n, t, v, 0x7520;\n"
+                "        and.b32 s, n, 0x77777777; prmt.b32 $0, ta, tb, s; shr.b32 h, s, 16; prmt.b32 $1, ta, tb, h;\n"
+                "        shl.b32 m, n, 4; prmt.b32 s, n, m, 0xBFAE; prmt.b32 h, n, m, 0xC9D8;\n"
+                "        lop3.b32 $0, $0, s, 0x80808080, 0xF8; lop3.b32 $1, $1, h, 0x80808080, 0xF8;\n")
 KNOCKOUTS_W4A8 = {
     "ko8_conv": [("_details/convert.py", _E4M3_LOOKUP, "        xor.b32 $0, ta, $2; xor.b32 $1, tb, $2;\n")],
     "ko8_cheap": [("_details/convert.py", _E4M3_LOOKUP,
-                   "        and.b32 s, $2, 0x77777777; prmt.b32 $0, ta, tb, s; shr.b32 h, s, 16; prmt.b32 $1, ta, tb, h;\n"
-                   "        lop3.b32 $0, $0, $2, 0x80808080, 0xF8; shl.b32 m, $2, 4; lop3.b32 $1, $1, m, 0x80808080, 0xF8;\n")],
+                   "        and.b32 s, $2, 0x77777777; prmt.b32 $0, ta, tb, s; shr.b32 h, s, 16; "
+                   "prmt.b32 $1, ta, tb, h;\n"
+                   "        lop3.b32 $0, $0, $2, 0x80808080, 0xF8; shl.b32 m, $2, 4; "
+                   "lop3.b32 $1, $1, m, 0x80808080, 0xF8;\n")],
 }
 KNOCKOUTS.update(KNOCKOUTS_W4A8)
-# W4A16's price for another layout: more instructions per prepared word in every W4A16 conversion (``convert._bf16_halves_asm``)
+# W4A16's price for another layout: more instructions per prepared word in every W4A16 conversion
+# (``convert._bf16_halves_asm``)
 _BF16_PAIRS = ("        and.b32 t, $8, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$0, $1}, t;\n"
                "        shl.b32 t, $8, 4; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$2, $3}, t;\n"
-               "        shf.l.wrap.b32 t, $8, $8, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$4, $5}, t;\n")
+               "        shf.l.wrap.b32 t, $8, $8, 10; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 t, t, %(f)s; "
+               "mov.b32 {$4, $5}, t;\n")
 KNOCKOUTS.update({
     "ko16_plus3": [("_details/convert.py", _BF16_PAIRS,  # 16 per word: one shift, a bit-select in 2 pairs
                     "        shr.b32 u, $8, 3; and.b32 t, $8, 0x81C081C0; lop3.b32 t, t, u, 0x80008000, 0xF8; "
@@ -71,8 +77,8 @@ KNOCKOUTS.update({
     "ko16_plus6": [("_details/convert.py", _BF16_PAIRS,  # 19 per word: a second shift and a bit-select in 3 pairs
                     "        shr.b32 u, $8, 3; and.b32 t, $8, 0x81C081C0; lop3.b32 t, t, u, 0x80008000, 0xF8; "
                     "mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$0, $1}, t;\n"
-                    "        shl.b32 t, $8, 4; shr.b32 u, $8, 5; and.b32 t, t, 0x81C081C0; lop3.b32 t, t, u, 0x80008000, 0xF8; "
-                    "mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$2, $3}, t;\n"
+                    "        shl.b32 t, $8, 4; shr.b32 u, $8, 5; and.b32 t, t, 0x81C081C0; "
+                    "lop3.b32 t, t, u, 0x80008000, 0xF8; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$2, $3}, t;\n"
                     "        shf.l.wrap.b32 t, $8, $8, 10; shr.b32 u, $8, 7; and.b32 t, t, 0x81C081C0; "
                     "lop3.b32 t, t, u, 0x80008000, 0xF8; mul.rn.bf16x2 t, t, %(f)s; mov.b32 {$4, $5}, t;\n")],
 })

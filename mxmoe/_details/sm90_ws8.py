@@ -166,8 +166,8 @@ def _stage_ready(loaded, c, NUM_STAGES: gl.constexpr):
     the proxy fence compiles to a ``MEMBAR``, which would wait for loads issued before it.)"""
     s = c % NUM_STAGES
     mbarrier.wait(loaded.index(s), (c // NUM_STAGES) & 1)
-    fence_async_shared()  # (the producer's cp.async wrote the activations; the wgmma reads them through the async proxy)
-    return s
+    fence_async_shared()  # (the producer's cp.async wrote the activations; the wgmma reads them through the async
+    return s  # proxy)
 
 
 @gluon.jit
