@@ -23,9 +23,13 @@ def test_config_route_tiles_stages_and_chains():
     assert long_k.block_rows == 64 and long_k.promote * long_k.block_k == 4096
     tests = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_rows=64, promote=8), gemm1=True)
     assert tests.promote == 8
+    one = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_m=128, block_rows=256), gemm1=True)
+    assert one.num_stages == 4  # one m-tile per warpgroup: 4 x (8 KB of weights + 32 KB of activations)
 
 
-@pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64)])
+@pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64),
+                                 dict(block_rows=256), dict(block_m=64),
+                                 dict(block_m=128, block_rows=256, promote=8)])
 def test_config_refuses_what_the_kernel_cannot_run(bad):
     with pytest.raises(ValueError):
         gemm_config(65536, 288, 1024, 4096, True, dict(WS8, **bad), gemm1=True)
@@ -81,9 +85,11 @@ def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
     from mxmoe.accuracy import bitwise_equal
 
     ex, x, w, ids = _case(*shape, T, scales)
-    for small, new in (({"kernel": "gluon_small", "block_rows": 64}, dict(WS8, block_rows=64, promote=8)),
-                       ({"kernel": "gluon_small", "block_rows": 128, "promote": 0, "promote_smem": False},
-                        dict(WS8, block_rows=128))):
+    small_64 = {"kernel": "gluon_small", "block_rows": 64}
+    small_128 = {"kernel": "gluon_small", "block_rows": 128, "promote": 0, "promote_smem": False}
+    for small, new in ((small_64, dict(WS8, block_rows=64, promote=8)), (small_128, dict(WS8, block_rows=128)),
+                       (small_64, dict(WS8, block_m=128, block_rows=128, promote=8)),  # one m-tile per warpgroup
+                       (small_128, dict(WS8, block_m=128, block_rows=256))):
         want = _call(ex, x, w, ids, small)
         got = _call(ex, x, w, ids, new)
         assert not bool(got.isnan().any())

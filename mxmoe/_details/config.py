@@ -75,11 +75,14 @@ class GemmConfig:
     def validate(self, n: int, k: int, gemm1: bool, fp8: bool) -> "GemmConfig":
         """This config, if its Gluon kernel can run it on an ``n x k`` GEMM; else ``ValueError`` saying why."""
         if self.kernel == "gluon_ws8":
-            if not fp8 or k % 64 or n % 64 or self.block_k != 128 or self.block_rows not in (64, 128):
+            if not fp8 or k % 64 or n % 64 or self.block_k != 128 or self.block_m not in (128, 256):
                 raise ValueError("the W4A8 prefill kernel takes W4A8, K and N multiples of 64, block_k=128 and "
-                                 "64- or 128-row route tiles")
-            if self.promote and self.block_rows != 64:
-                raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at 64-row tiles only")
+                                 "block_m 128 or 256")
+            if self.block_rows not in ((64, 128) if self.block_m == 256 else (64, 128, 256)):
+                raise ValueError("the W4A8 prefill kernel takes 64- or 128-row route tiles, 256 at block_m=128")
+            if self.promote and self.block_rows * self.block_m > 128 * 128:
+                raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at block_rows x block_m "
+                                 "<= 128 x 128 only")
             return self
         if self.kernel != "gluon_small":
             return self
@@ -544,10 +547,16 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
 
 
+def ws8_m_tiles(cfg: GemmConfig) -> int:
+    """The W4A8 prefill kernel's m64 tiles per consumer warpgroup: ``block_m`` (weight rows per program) / 128."""
+    return cfg.block_m // 128
+
+
 def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
     """The W4A8 prefill kernel (``sm90_ws8``): 128-row route tiles where experts average more than 64 rows, else 64;
-    as many 128-K stages as fit 192 KB of shared memory (16 KB of weights and BT x 128 B of activations each); FP8
-    chains over all of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168) chains of that length on 64-row tiles."""
+    as many 128-K stages as fit 192 KB of shared memory (block_m x 64 B of weights and BT x 128 B of activations
+    each); FP8 chains over all of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168) chains of that length on 64-row
+    tiles."""
     bt = 128 if tile_rows_for(rows, num_experts) >= 128 else 64
     promote = 0
     if k > WS8_MAX_CHAIN_K:
@@ -555,7 +564,7 @@ def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
     cfg = dict(block_rows=bt, block_m=256, block_k=128, num_warps=4, loader_regs=64, converter_regs=224,
                promote=promote)
     cfg.update(override)
-    cfg.setdefault("num_stages", (192 * 1024) // (16 * 1024 + cfg["block_rows"] * 128))
+    cfg.setdefault("num_stages", (192 * 1024) // (cfg["block_m"] * 64 + cfg["block_rows"] * 128))
     return GemmConfig(kernel="gluon_ws8", **cfg).validate(n, k, True, True)
 
 

@@ -28,7 +28,7 @@ from ..workspace import default_plan, held_workspace, workspace_for
 from . import cdiv, env_get, interpreting, next_pow2, tuned  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
                      gemm_config, gluon_kernel, gluon_validated, kernel_choice, pack_shape, pack_tile_heights,
-                     pdl_launch, small_kernel_constexprs, unfolded_config)
+                     pdl_launch, small_kernel_constexprs, unfolded_config, ws8_m_tiles)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
 from .launch_plan import KernelLaunch, LaunchPlan, run_launches
@@ -110,7 +110,8 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         if cfg.kernel == "gluon_ws8":
             del meta["BM"], meta["FP8"]
             meta.update(K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, PRODUCER_REGS=cfg.loader_regs,
-                        CONSUMER_REGS=cfg.converter_regs, **pdl_launch(out.device, kernel_arg=False))
+                        CONSUMER_REGS=cfg.converter_regs, M_TILES=ws8_m_tiles(cfg),
+                        **pdl_launch(out.device, kernel_arg=False))
             args.append(fold)
         else:
             pdl = pdl_launch(out.device, kernel_arg=False)

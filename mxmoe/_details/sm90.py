@@ -73,11 +73,11 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
     elif cfg.kernel == "gluon_ws8":  # W4A8 prefill: K_TAIL from the shape's K (``k``), as the launch gives them
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from .config import gluon_kernel
+        from .config import gluon_kernel, ws8_m_tiles
         kernel, source = gluon_kernel(cfg.kernel), GluonASTSource
         del const["FP8"], const["BM"]
         const.update(OUT_I64=out_i64, K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, W_UNIT=row_block_unit(k),
-                     PRODUCER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.converter_regs)
+                     PRODUCER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.converter_regs, M_TILES=ws8_m_tiles(cfg))
         sig.update(fold_ptr="*i32")
     else:
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -268,10 +268,14 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_small", 130 * E, False, {}, False)]
     if unfolded:
         cases += [("gluon_small", r, True, dict(fold=False), False) for r in small_rows[:-1]]
-    # the W4A8 prefill kernel: 64- and 128-row route tiles, the tests' 1024-K chains, gpt-oss's K tail (H = I = 2880)
+    # the W4A8 prefill kernel: 64- and 128-row route tiles, the tests' 1024-K chains, gpt-oss's K tail (H = I = 2880);
+    # one m-tile per warpgroup (block_m=128) on 256- and 128-row tiles, the latter with 1024-K chains, both K forms
     cases += [("gluon_ws8", r, True, {}, False) for r in small_rows[-2:]]
     cases += [("gluon_ws8", small_rows[-1], True, dict(block_rows=64, promote=8), False)]
     cases += [("gluon_ws8", small_rows[-1], True, dict(hidden=2880, intermediate=2880), False)]
+    cases += [("gluon_ws8", small_rows[-1], True, dict(block_m=128, block_rows=256, **shape), False)
+              for shape in ({}, dict(hidden=2880, intermediate=2880))]
+    cases += [("gluon_ws8", small_rows[-1], True, dict(block_m=128, block_rows=128, promote=8), False)]
     out = []
     for kernel, r, fp8, override, direct in cases:
         override = dict(override)

@@ -59,6 +59,16 @@ def _tile_routes(routes_ptr, slots, BT: gl.constexpr, DIRECT: gl.constexpr):
 
 
 @gluon.jit
+def _gate_up_rows(rows, N, col0):
+    """The weight row (from the tile's first gate row) of each row of a GEMM1 warpgroup's M tile (the wide kernel;
+    ``sm90_ws8`` with one m-tile per warpgroup): rows 16 w .. 16 w + 7 are gate columns ``col0 + 8 w ..``, rows 16 w +
+    8 .. 16 w + 15 the up columns of the same output columns (``N`` rows further). The wgmma accumulator gives a thread
+    rows r and r + 8 of its warp, so each thread holds the gate and up sums of the same outputs: no exchange between
+    warpgroups before the activation. (``_weight_pointers`` with ``GATE_UP`` copies these rows.)"""
+    return ((rows // 8) % 2) * N + col0 + 8 * (rows // 16) + rows % 8
+
+
+@gluon.jit
 def _weight_pointers(w_ptr, w_row0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, half_rows=0,
                      NH: gl.constexpr = 1, GATE_UP: gl.constexpr = False, col0=0):
     """The packed-weight half of ``_copy_pointers``: sources [NH BM, BK/2] of the first K step, and the row stride.

@@ -14,18 +14,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .convert import FOLD_REF_MAX
 from .sm90_operands import (_bf16_operand, _fold_addend, _fragment_words, _fragment_words_layout, _pow2,
                             _scale_word_factors, _scale_word_rows, _small_mma_layout)
-from .sm90_pipeline import (_act_copy_layout, _async_load, _copy_pointers, _epilogue, _epilogue_values, _issue_stage,
-                            _launch_dependents, _origin, _tile_origin, _wait_for_previous_kernel, _weight_pointers)
-
-
-@gluon.jit
-def _gate_up_rows(rows, N, col0):
-    """The weight row (from the tile's first gate row) of each row of a wide GEMM1 warpgroup's M tile: rows 16 w .. 16 w
-    + 7 are gate columns ``col0 + 8 w ..``, rows 16 w + 8 .. 16 w + 15 the up columns of the same output columns (``N``
-    rows further). The wgmma accumulator gives a thread rows r and r + 8 of its warp, so each thread holds the gate and
-    up sums of the same outputs: no exchange between warpgroups before the activation. (``_weight_pointers`` with
-    ``GATE_UP`` copies these rows.)"""
-    return ((rows // 8) % 2) * N + col0 + 8 * (rows // 16) + rows % 8
+from .sm90_pipeline import (_act_copy_layout, _async_load, _copy_pointers, _epilogue, _epilogue_values, _gate_up_rows,
+                            _issue_stage, _launch_dependents, _origin, _tile_origin, _wait_for_previous_kernel,
+                            _weight_pointers)
 
 
 @gluon.jit
