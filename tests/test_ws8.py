@@ -144,3 +144,8 @@ def test_a_small_tile_gemm_takes_the_prefill_kernels_route_tiles(monkeypatch):
         cfg1, cfg2 = launch._configs(x, experts, rows // 4, rows, True)
         assert (cfg1.kernel, cfg2.kernel) == ("gluon_ws8", "gluon_small")
         assert cfg1.block_rows == bt and cfg2.block_rows * cfg2.sub_tiles == bt
+    from mxmoe._details.config import overrides
+
+    with overrides(gemm1={"block_m": 128, "block_rows": 256}):  # in two 128-row sub-tiles
+        cfg1, cfg2 = launch._configs(x, experts, 288 * 228 // 8, 288 * 228, True)
+    assert (cfg1.block_rows, cfg2.block_rows, cfg2.sub_tiles) == (256, 128, 2)

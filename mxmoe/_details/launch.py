@@ -232,7 +232,8 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
         cfg1, cfg2 = config(True, table1), config(False, table2)
         if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
             ws8 = cfg1 if cfg1.kernel == "gluon_ws8" else cfg2
-            pinned = dict(block_rows=ws8.block_rows, sub_tiles=1)
+            # (the small-tile kernel's tiles are at most 128 rows: 256-row tiles in two sub-tiles)
+            pinned = dict(block_rows=min(ws8.block_rows, 128), sub_tiles=max(ws8.block_rows // 128, 1))
             if ws8 is cfg1 and cfg2.block_rows * cfg2.sub_tiles != ws8.block_rows:
                 cfg2 = config(False, {**table2, **pinned})
             elif ws8 is cfg2 and cfg1.block_rows * cfg1.sub_tiles != ws8.block_rows:
