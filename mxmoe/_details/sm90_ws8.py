@@ -363,10 +363,10 @@ def _tile_epilogue(acc0, acc1, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
 def _piece(x, h: gl.constexpr, PIECES: gl.constexpr, L: gl.constexpr):
     """Columns h BT/PIECES .. of ``x`` [rows, BT] in layout ``L`` (PIECES 1 or 2: a split of registers, no data
     moves)."""
-    if PIECES == 1:
-        return x
-    lo, hi = x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute((0, 2, 1)).split()
-    return gl.convert_layout(lo if h == 0 else hi, L, assert_trivial=True)
+    if PIECES == 2:
+        lo, hi = x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute((0, 2, 1)).split()
+        x = gl.convert_layout(lo if h == 0 else hi, L, assert_trivial=True)
+    return x
 
 
 @gluon.constexpr_function
