@@ -263,7 +263,11 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
             lo0, hi0 = _e4m3_addends(gl.load(ref_ptr + rows0))
             lo1, hi1 = _e4m3_addends(gl.load(ref_ptr + rows1))  # (MT = 1: unused)
             src0 = _scale_sources(s_ptr, rows0, K, SCALE_WORDS, NB, SC)
-            src1 = _scale_sources(s_ptr, rows1, K, SCALE_WORDS, NB, SC)
+            half = N if GEMM1 else BM  # (MT = 2: m-tile 1's rows from m-tile 0's)
+            if SCALE_WORDS:
+                src1 = _scale_sources(s_ptr, rows1, K, SCALE_WORDS, NB, SC)
+            else:
+                src1 = src0 + half * (K // 32)
             zero = gl.zeros((BM, BT), gl.float32, MMA)
             acc0 = zero
             acc1 = zero
@@ -297,11 +301,12 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                 NBT: gl.constexpr = K_TAIL // 32
                 tm = gl.arange(0, BM, layout=gl.SliceLayout(1, SCT))
                 tb = gl.arange(0, NBT, layout=gl.SliceLayout(0, SCT))
-                t_rows0, t_rows1 = _m_tile_rows(expert, n0, N, tm, WG, GEMM1, MT)
-                tail0 = gl.load(s_ptr + t_rows0[:, None] * (K // 32) + (num_full * NB + tb)[None, :]).to(gl.int32)
+                t_ptrs0 = s_ptr + _m_tile_rows(expert, n0, N, tm, WG, GEMM1, MT)[0][:, None] * (K // 32) + \
+                    (num_full * NB + tb)[None, :]
+                tail0 = gl.load(t_ptrs0).to(gl.int32)
                 tail1 = tail0
                 if MT == 2:
-                    tail1 = gl.load(s_ptr + t_rows1[:, None] * (K // 32) + (num_full * NB + tb)[None, :]).to(gl.int32)
+                    tail1 = gl.load(t_ptrs0 + half * (K // 32)).to(gl.int32)
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = num_full % PROMOTE != 0
