@@ -1,5 +1,6 @@
-"""Same-process A/B of launch overrides (developer tool): whole-call CUDA-graph replays, alternating rounds, with
-bit-identity against the first variant and each kernel's time (torch profiler, last).
+"""Same-process A/B of launch overrides (developer tool): whole-call CUDA-graph replays (W4A8: eager calls, since
+graph capture runs W4A16), alternating rounds, with bit-identity against the first variant and each kernel's time
+(torch profiler, last).
 
     python3 scripts/override_ab.py 16,1024,8192 '[{}, {"pdl": false}]' [--prec w4a16] [--rounds 6] [--shape E,H,I,k]
 
@@ -54,13 +55,13 @@ for T in [int(t) for t in args.tokens.split(",")]:
             fn()
             torch.cuda.synchronize()
             outs.append((out.clone(), out_masked))
-            graphs.append(capture_graph(fn))
+            graphs.append(fn if args.prec == "w4a8" else capture_graph(fn).replay)
         same.append(torch.equal(outs[-1][0], outs[0][0]))
         same_masked.append(torch.equal(outs[-1][1], outs[0][1]))
     times = [[] for _ in variants]
     for order in round_orders(list(range(len(variants))), args.rounds):  # as given, reversed, ...
         for i in order:
-            times[i].append(median(cuda_event_sampler(graphs[i].replay, 40)) * 1000)
+            times[i].append(median(cuda_event_sampler(graphs[i], 40)) * 1000)
     base = statistics.median(times[0])
     for i, v in enumerate(variants):
         t = statistics.median(times[i])
@@ -79,6 +80,6 @@ for T in [int(t) for t in args.tokens.split(",")]:  # kernel times last: the pro
             ws = mxmoe.Workspace(experts, T, top_k, fp8=args.prec == "w4a8")
             ks = kernel_times(lambda: run(x, experts, w, ids, args.prec, out, ws))
         print(f"T={T} {json.dumps(v)} kernels us: " + " ".join(f"{d:.1f}" for _, d in ks), flush=True)
-print("\n| T | variant | graph us | vs first | bitwise | masked bitwise | NaN |")
+print("\n| T | variant | call us | vs first | bitwise | masked bitwise | NaN |")
 for T, v, t, d, s, sm, nan in rows:
     print(f"| {T} | {v} | {t:.1f} | {100 * d:+.1f} % | {s} | {sm} | {nan} |")

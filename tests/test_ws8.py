@@ -69,8 +69,9 @@ def _call(ex, x, w, ids, variant):
     from mxmoe._details.config import overrides
 
     out = torch.full_like(x, float("nan"))
-    with overrides(gemm=variant):
-        mxmoe.fused_moe(x, ex, w, ids, precision="w4a8", activation="swigluoai", out=out)
+    with overrides(gemm=variant):  # (a workspace sized under the variant: its route pack may be larger)
+        ws = mxmoe.Workspace(ex, x.shape[0], ids.shape[1], fp8=True)
+        mxmoe.fused_moe(x, ex, w, ids, precision="w4a8", activation="swigluoai", out=out, workspace=ws)
     return out
 
 
