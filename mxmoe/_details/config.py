@@ -563,6 +563,8 @@ def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
         bt, promote = 64, WS8_MAX_CHAIN_K // 128
     cfg = dict(block_rows=bt, block_m=256, block_k=128, num_warps=4, loader_regs=64, converter_regs=224,
                promote=promote)
+    if override.get("block_rows") == 256:  # the producer's 256 activation rows' pointers spill at 64 registers
+        cfg.update(loader_regs=96, converter_regs=208)  # (128 x 96 + 2 x 128 x 208 = 64 K)
     cfg.update(override)
     cfg.setdefault("num_stages", (192 * 1024) // (cfg["block_m"] * 64 + cfg["block_rows"] * 128))
     return GemmConfig(kernel="gluon_ws8", **cfg).validate(n, k, True, True)
