@@ -58,19 +58,19 @@ def _block_rows(expert, n0, N, GEMM1: gl.constexpr):
 
 @gluon.jit
 def _m_tile_rows(expert, n0, N, sm, WG: gl.constexpr, GEMM1: gl.constexpr, MT: gl.constexpr):
-    """The weight row of each row ``sm`` (0 .. 63, any layout) of warpgroup ``WG``'s m-tiles 0 and 1 (``MT`` = 1: m-tile
-    0 twice), as ``_pair_sources`` copies them. GEMM2's rows past N (the last program at N % 128 == 64) read the
-    expert's last row's scales: their sums are never stored."""
+    """The weight rows of rows ``sm`` (0 .. 63, any layout) of warpgroup ``WG``'s m-tiles, as ``_pair_sources`` copies
+    them: m-tile 0's first row (int64), each row's offset from it (int32: the pointers stay a scalar base plus 32-bit
+    offsets) and m-tile 1's first row (``MT`` = 1: m-tile 0's). GEMM2's rows past N (the last program at N % 128 == 64)
+    read the expert's last row's scales: their sums are never stored."""
     if MT == 2:
         row_a, row_b, half = _block_rows(expert, n0, N, GEMM1)
-        rows0 = (row_a if WG == 0 else row_b) + sm
-        return rows0, rows0 + half
+        row0 = row_a if WG == 0 else row_b
+        return row0, sm, row0 + half
+    elif GEMM1:
+        row0 = expert * (2 * N) + n0
+        return row0, _gate_up_rows(sm, N, (BM // 2) * WG), row0
     else:
-        if GEMM1:
-            rows0 = expert * (2 * N) + n0 + _gate_up_rows(sm, N, (BM // 2) * WG)
-        else:
-            rows0 = expert * N + gl.minimum(n0 + BM * WG + sm, N - 1)
-        return rows0, rows0
+        return expert * N, gl.minimum(n0 + BM * WG + sm, N - 1), expert * N
 
 
 @gluon.jit
@@ -177,14 +177,14 @@ def _stage_ops(packed, s, blk: gl.constexpr, sc, lo, hi, BK: gl.constexpr, U: gl
 
 
 @gluon.jit
-def _scale_sources(s_ptr, rows, K, SCALE_WORDS: gl.constexpr, NB: gl.constexpr, SC: gl.constexpr):
-    """The first K step's scale sources of an m-tile's weight ``rows`` ([BM], SliceLayout(1, ``SC``)): with
-    ``SCALE_WORDS`` a 32-bit word pointer per row, else NB byte pointers per row ([BM, NB])."""
+def _scale_sources(s_ptr, row0, offs, K, SCALE_WORDS: gl.constexpr, NB: gl.constexpr, SC: gl.constexpr):
+    """The first K step's scale sources of an m-tile's weight rows ``row0 + offs`` (``offs`` [BM], SliceLayout(1,
+    ``SC``)): with ``SCALE_WORDS`` a 32-bit word pointer per row, else NB byte pointers per row ([BM, NB])."""
     if SCALE_WORDS:
-        return _scale_word_rows(s_ptr, 0, rows, K)
+        return _scale_word_rows(s_ptr, row0, offs, K)
     else:
         sb = gl.arange(0, NB, layout=gl.SliceLayout(0, SC))
-        return s_ptr + rows.to(gl.int64)[:, None] * (K // 32) + sb[None, :]
+        return s_ptr + (row0 + offs.to(gl.int64))[:, None] * (K // 32) + sb[None, :]
 
 
 @gluon.jit
@@ -259,13 +259,13 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
     for tile in range(first, end, stride):
         if _has_tile(fold_ptr, tile_expert_ptr, tile, n_blocks):
             expert, n0, _, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
-            rows0, rows1 = _m_tile_rows(expert, n0, N, sm, WG, GEMM1, MT)
-            lo0, hi0 = _e4m3_addends(gl.load(ref_ptr + rows0))
-            lo1, hi1 = _e4m3_addends(gl.load(ref_ptr + rows1))  # (MT = 1: unused)
-            src0 = _scale_sources(s_ptr, rows0, K, SCALE_WORDS, NB, SC)
+            row0, offs, row1 = _m_tile_rows(expert, n0, N, sm, WG, GEMM1, MT)
+            lo0, hi0 = _e4m3_addends(gl.load(ref_ptr + row0 + offs))
+            lo1, hi1 = _e4m3_addends(gl.load(ref_ptr + row1 + offs))  # (MT = 1: unused)
+            src0 = _scale_sources(s_ptr, row0, offs, K, SCALE_WORDS, NB, SC)
             half = N if GEMM1 else BM  # (MT = 2: m-tile 1's rows from m-tile 0's)
             if SCALE_WORDS:
-                src1 = _scale_sources(s_ptr, rows1, K, SCALE_WORDS, NB, SC)
+                src1 = _scale_sources(s_ptr, row1, offs, K, SCALE_WORDS, NB, SC)
             else:
                 src1 = src0 + half * (K // 32)
             zero = gl.zeros((BM, BT), gl.float32, MMA)
@@ -301,8 +301,8 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                 NBT: gl.constexpr = K_TAIL // 32
                 tm = gl.arange(0, BM, layout=gl.SliceLayout(1, SCT))
                 tb = gl.arange(0, NBT, layout=gl.SliceLayout(0, SCT))
-                t_ptrs0 = s_ptr + _m_tile_rows(expert, n0, N, tm, WG, GEMM1, MT)[0][:, None] * (K // 32) + \
-                    (num_full * NB + tb)[None, :]
+                t_row0, t_offs, _ = _m_tile_rows(expert, n0, N, tm, WG, GEMM1, MT)
+                t_ptrs0 = s_ptr + (t_row0 + t_offs.to(gl.int64))[:, None] * (K // 32) + (num_full * NB + tb)[None, :]
                 tail0 = gl.load(t_ptrs0).to(gl.int32)
                 tail1 = tail0
                 if MT == 2:
@@ -318,11 +318,11 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                 acc0 = tot0 + acc0
                 acc1 = tot1 + acc1
             # each row times 2**(ref - 133), its blocks folded into E4M3 as 2**(b + 6 - ref) (``_e4m3_addends``)
-            e_rows0, e_rows1 = _m_tile_rows(expert, n0, N, gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), WG, GEMM1,
-                                            MT)
-            acc0 = acc0 * _pow2(gl.load(ref_ptr + e_rows0) - 133)[:, None]
+            e_row0, e_offs, e_row1 = _m_tile_rows(expert, n0, N, gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), WG,
+                                                  GEMM1, MT)
+            acc0 = acc0 * _pow2(gl.load(ref_ptr + e_row0 + e_offs) - 133)[:, None]
             if MT == 2:
-                acc1 = acc1 * _pow2(gl.load(ref_ptr + e_rows1) - 133)[:, None]
+                acc1 = acc1 * _pow2(gl.load(ref_ptr + e_row1 + e_offs) - 133)[:, None]
             _tile_epilogue(acc0, acc1, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out,
                            topk_weights_ptr, expert, n0, slot0, N, top_k, limit, alpha, GEMM1, SWIGLUOAI, HAS_BIAS,
                            HAS_GSCALE, BT, OUT_I64, MT, WG, MMA)
