@@ -42,7 +42,7 @@ for T in [int(t) for t in args.tokens.split(",")]:
     masked[drop < 0.2] = -1
     masked[(drop >= 0.2) & (drop < 0.3)] = E + 5
     masked[T // 2] = ids[T // 2]  # (a token with none masked, whatever T)
-    outs, graphs, same, same_masked = [], [], [], []
+    outs, timed, same, same_masked = [], [], [], []
     for v in variants:
         out = torch.full_like(x, float("nan"))
         with overrides(**v):
@@ -55,13 +55,13 @@ for T in [int(t) for t in args.tokens.split(",")]:
             fn()
             torch.cuda.synchronize()
             outs.append((out.clone(), out_masked))
-            graphs.append(fn if args.prec == "w4a8" else capture_graph(fn).replay)
+            timed.append(fn if args.prec == "w4a8" else capture_graph(fn).replay)
         same.append(torch.equal(outs[-1][0], outs[0][0]))
         same_masked.append(torch.equal(outs[-1][1], outs[0][1]))
     times = [[] for _ in variants]
     for order in round_orders(list(range(len(variants))), args.rounds):  # as given, reversed, ...
         for i in order:
-            times[i].append(median(cuda_event_sampler(graphs[i], 40)) * 1000)
+            times[i].append(median(cuda_event_sampler(timed[i], 40)) * 1000)
     base = statistics.median(times[0])
     for i, v in enumerate(variants):
         t = statistics.median(times[i])
@@ -69,7 +69,7 @@ for T in [int(t) for t in args.tokens.split(",")]:
         rows.append((T, json.dumps(v), t, t / base - 1, same[i], same_masked[i], nan))
         print(f"T={T} {json.dumps(v)}: {t:.1f} us ({100 * (t / base - 1):+.1f} %) bitwise={same[i]} "
               f"masked bitwise={same_masked[i]} nan={nan}", flush=True)
-    del graphs
+    del timed
 for T in [int(t) for t in args.tokens.split(",")]:  # kernel times last: the profiler slows later launches
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids = torch.stack([torch.randperm(E, device="cuda")[:top_k] for _ in range(T)]).int()

@@ -82,7 +82,7 @@ def _pair_sources(w_ptr, expert, n0, N, K, pair: gl.constexpr, GEMM1: gl.constex
     if MT == 1 and GEMM1:  # the gate and up rows of 64 columns in ``_gate_up_rows`` order, 32 columns per block
         w, row_bytes = _weight_pointers(w_ptr, expert * (2 * N) + n0, K, 2 * BM, BK, U, N, 1, True)
         r = gl.arange(0, 2 * BM, layout=gl.SliceLayout(1, w.type.layout))
-        return w, n0 + r // 2 < N, row_bytes  # (N % 64 == 0: all of them)
+        return w, r < 2 * BM, row_bytes  # (all: N % 64 == 0, so a program's 64 columns are below N)
     row_a, row_b, half = _block_rows(expert, n0, N, GEMM1)
     w, row_bytes = _weight_pointers(w_ptr, row_a if pair == 0 else row_b, K, BM, BK, U, half, 2)
     r = gl.arange(0, 2 * BM, layout=gl.SliceLayout(1, w.type.layout))
