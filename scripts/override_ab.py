@@ -30,6 +30,16 @@ variants = json.loads(args.variants)
 E, H, I, top_k = (int(v) for v in args.shape.split(","))
 experts = random_experts(E, H, I)
 
+
+def under(variant: dict, fn):
+    """``fn`` called under the variant's overrides (an eager call reads them when it launches; a graph keeps the
+    launches captured under them)."""
+    def call():
+        with overrides(**variant):
+            return fn()
+    return call
+
+
 rows = []
 for T in [int(t) for t in args.tokens.split(",")]:
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -55,7 +65,7 @@ for T in [int(t) for t in args.tokens.split(",")]:
             fn()
             torch.cuda.synchronize()
             outs.append((out.clone(), out_masked))
-            timed.append(fn if args.prec == "w4a8" else capture_graph(fn).replay)
+            timed.append(under(v, fn) if args.prec == "w4a8" else capture_graph(fn).replay)
         same.append(torch.equal(outs[-1][0], outs[0][0]))
         same_masked.append(torch.equal(outs[-1][1], outs[0][1]))
     times = [[] for _ in variants]
