@@ -1,8 +1,10 @@
-"""Same-process A/B of launch overrides (developer tool): whole-call CUDA-graph replays (W4A8: eager calls, since
-graph capture runs W4A16), alternating rounds, with bit-identity against the first variant and each kernel's time
-(torch profiler, last).
+"""Same-process A/B of launch overrides (developer tool): whole-call CUDA-graph replays (``--eager``: eager calls, each
+under its variant's overrides; they include the JIT's host work, which launch plans do not cover under overrides, so
+they time the GPU only where its call outlasts that: large T), alternating rounds, with bit-identity against the first
+variant and each kernel's time (torch profiler, last).
 
     python3 scripts/override_ab.py 16,1024,8192 '[{}, {"pdl": false}]' [--prec w4a16] [--rounds 6] [--shape E,H,I,k]
+                                   [--eager]
 
 Each variant is keyword arguments of ``mxmoe._details.config.overrides`` (e.g. ``{"gemm": {"half_tiles": false}}``)
 and gets a workspace sized under it (overrides may change what a call needs, e.g. the wide tiles' pack). Reference
@@ -25,6 +27,7 @@ ap.add_argument("variants")
 ap.add_argument("--prec", default="w4a16")
 ap.add_argument("--rounds", type=int, default=6)
 ap.add_argument("--shape", default="288,4096,1024,8")
+ap.add_argument("--eager", action="store_true")
 args = ap.parse_args()
 variants = json.loads(args.variants)
 E, H, I, top_k = (int(v) for v in args.shape.split(","))
@@ -65,7 +68,7 @@ for T in [int(t) for t in args.tokens.split(",")]:
             fn()
             torch.cuda.synchronize()
             outs.append((out.clone(), out_masked))
-            timed.append(under(v, fn) if args.prec == "w4a8" else capture_graph(fn).replay)
+            timed.append(under(v, fn) if args.eager else capture_graph(fn).replay)
         same.append(torch.equal(outs[-1][0], outs[0][0]))
         same_masked.append(torch.equal(outs[-1][1], outs[0][1]))
     times = [[] for _ in variants]
