@@ -334,9 +334,10 @@ def _tile_epilogue(acc0, acc1, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
                    HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr, BT: gl.constexpr, OUT_I64: gl.constexpr,
                    MT: gl.constexpr, WG: gl.constexpr, MMA: gl.constexpr):
     """Warpgroup ``WG``'s part of a tile's epilogue (``sm90_pipeline._epilogue``) from its row-folded accumulators:
-    GEMM1 the gate and up sums of its output columns, GEMM2 its m-tiles' rows; 256-row route tiles in two pieces of
-    128 routed rows (the whole tile's values and pointers at once spill)."""
-    PIECES: gl.constexpr = 2 if BT > 128 else 1
+    GEMM1 the gate and up sums of its output columns, GEMM2 its m-tiles' rows; 256-row route tiles in four pieces of
+    64 routed rows (the whole tile's values and pointers at once spill; two pieces still spill 350-400 bytes in GEMM2
+    under Triton 3.9)."""
+    PIECES: gl.constexpr = 4 if BT > 128 else 1
     PT: gl.constexpr = BT // PIECES
     if GEMM1 and MT == 2:  # gate rows (acc0) and up rows (acc1) of output columns n0 + 64 WG ..
         _epilogue(acc0, acc1, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, out_ptr, stride_out, topk_weights_ptr,
@@ -366,11 +367,15 @@ def _tile_epilogue(acc0, acc1, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
 
 @gluon.jit
 def _piece(x, h: gl.constexpr, PIECES: gl.constexpr, L: gl.constexpr):
-    """Columns h BT/PIECES .. of ``x`` [rows, BT] in layout ``L`` (PIECES 1 or 2: a split of registers, no data
+    """Columns h BT/PIECES .. of ``x`` [rows, BT] in layout ``L`` (PIECES 1, 2 or 4: a split of registers, no data
     moves)."""
-    if PIECES == 2:
+    if PIECES > 1:
         lo, hi = x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute((0, 2, 1)).split()
-        x = gl.convert_layout(lo if h == 0 else hi, L, assert_trivial=True)
+        x = lo if h < PIECES // 2 else hi
+        if PIECES == 4:
+            lo, hi = x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute((0, 2, 1)).split()
+            x = lo if h % 2 == 0 else hi
+        x = gl.convert_layout(x, L, assert_trivial=True)
     return x
 
 
