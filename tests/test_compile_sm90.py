@@ -94,8 +94,8 @@ def _uses_wgmma_without_spills(r):
     # W4A16 GEMM2 in pairs on 128-row tiles at K % 128 != 0 (gpt-oss's 2880: per-block scale bytes) spills 16 bytes
     # under Triton 3.9 (0 under 3.6), outside its K loop
     pairs_128 = r["config"]["pair"] and r["config"]["block_rows"] == 128 and (r["fp8"] or r["k"] % 128)
-    # The W4A8 prefill kernel's consumers spill in their epilogue (GEMM2's two m-tiles, up to 228 bytes at K = 2880, at
-    # 216-224 registers), once per tile, never in the K loop (asserted below)
+    # The W4A8 prefill kernel's consumers spill in their epilogue (GEMM2's two m-tiles, up to 236 bytes at K = 2880, at
+    # 216-224 registers; 8-64 with one m-tile on 256-row tiles), once per tile, never in the K loop (asserted below)
     # The wide W4A16 tiles with extra rows (a second accumulator) spill outside the K loop: 24 / 48 bytes (GEMM1 /
     # GEMM2) at K = 2880, 120 / 160 with scale words (the reference shape) under Triton 3.6; 3.9: 24 / 40, 88 / 184;
     # on 128 + 32-slot tiles none under 3.6
