@@ -68,6 +68,23 @@ def _gate_up_rows(rows, N, col0):
     return ((rows // 8) % 2) * N + col0 + 8 * (rows // 16) + rows % 8
 
 
+@gluon.constexpr_function
+def _gate_up_layout():
+    """The layout of ``_gate_up_apart``'s halves: the wgmma accumulator's without its row + 8 register bit."""
+    return gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _gate_up_apart(acc):
+    """An accumulator [BM, N] whose rows are in ``_gate_up_rows`` order as its gate sums and its up sums, each
+    [BM/2, N] in ``_gate_up_layout`` (a split of each thread's registers: no data moves)."""
+    BM: gl.constexpr = acc.shape[0]
+    N: gl.constexpr = acc.shape[1]
+    g, u = acc.reshape([BM // 16, 2, 8, N]).permute((0, 2, 3, 1)).split()
+    return (gl.convert_layout(g.reshape([BM // 2, N]), _gate_up_layout(), assert_trivial=True),
+            gl.convert_layout(u.reshape([BM // 2, N]), _gate_up_layout(), assert_trivial=True))
+
+
 @gluon.jit
 def _weight_pointers(w_ptr, w_row0, K, BM: gl.constexpr, BK: gl.constexpr, U: gl.constexpr, half_rows=0,
                      NH: gl.constexpr = 1, GATE_UP: gl.constexpr = False, col0=0):

@@ -14,9 +14,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .convert import FOLD_REF_MAX
 from .sm90_operands import (_bf16_operand, _fold_addend, _fragment_words, _fragment_words_layout, _pow2,
                             _scale_word_factors, _scale_word_rows, _small_mma_layout)
-from .sm90_pipeline import (_act_copy_layout, _async_load, _copy_pointers, _epilogue, _epilogue_values, _gate_up_rows,
-                            _issue_stage, _launch_dependents, _origin, _tile_origin, _wait_for_previous_kernel,
-                            _weight_pointers)
+from .sm90_pipeline import (_act_copy_layout, _async_load, _copy_pointers, _epilogue, _epilogue_values, _gate_up_apart,
+                            _gate_up_layout, _gate_up_rows, _issue_stage, _launch_dependents, _origin, _tile_origin,
+                            _wait_for_previous_kernel, _weight_pointers)
 
 
 @gluon.jit
@@ -120,8 +120,7 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     MMA: gl.constexpr = _small_mma_layout(BT, False)
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WL: gl.constexpr = _fragment_words_layout(BM, BK)
-    # the accumulator's gate (or up) rows: the MMA layout without its row + 8 register bit
-    HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    HL: gl.constexpr = _gate_up_layout()  # the accumulator's gate (or up) rows
     OL: gl.constexpr = _out_piece_layout(out_ptr.dtype.element_ty, C)  # [BT, C]: 16-B pieces
     acc = gl.zeros((BM, BT), gl.float32, MMA)
     if XR > 0:
@@ -153,9 +152,7 @@ def _wide_gemm1_tile(a_ptr, a_scale_ptr, stride_a, w_ptr, s_ptr, ref_ptr, gscale
     # each row times its factor (``_row_factors``), then the gate and up rows apart
     acc_rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA)), N, col0)
     acc = acc * _row_factors(gl.load(ref_ptr + w_row0 + acc_rows))[:, None]
-    g, u = acc.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
-    g = gl.convert_layout(g.reshape([C, BT]), HL, assert_trivial=True)
-    u = gl.convert_layout(u.reshape([C, BT]), HL, assert_trivial=True)
+    g, u = _gate_up_apart(acc)
     # the activation of every slot (a padding slot's row too, no routes to read) into ``staging`` [BT, C], then whole
     # 16-B pieces of its rows to the output (from the accumulator layout: one store per value)
     y, out_rows, row_ok, offs_n = _epilogue_values(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr,
@@ -212,13 +209,11 @@ def _wide_gemm1_extra_out(acc_x, a_scale_ptr, ref_ptr, gscale_ptr, bias_ptr, sor
     """A wide GEMM1 warpgroup's epilogue of the extra slots ``slot0 ..`` (W4A16): row factors, the gate and up rows
     apart (as the tile's), then ``_epilogue``'s activation and store of the slots holding a route."""
     MMA_X: gl.constexpr = _small_mma_layout(XR, False)
-    HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    HL: gl.constexpr = _gate_up_layout()
     C: gl.constexpr = BM // 2
     rows = _gate_up_rows(gl.arange(0, BM, layout=gl.SliceLayout(1, MMA_X)), N, col0)
     acc_x = acc_x * _row_factors(gl.load(ref_ptr + w_row0 + rows))[:, None]
-    g, u = acc_x.reshape([BM // 16, 2, 8, XR]).permute((0, 2, 3, 1)).split()
-    g = gl.convert_layout(g.reshape([C, XR]), HL, assert_trivial=True)
-    u = gl.convert_layout(u.reshape([C, XR]), HL, assert_trivial=True)
+    g, u = _gate_up_apart(acc_x)
     _epilogue(g, u, a_scale_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, out_ptr, stride_out, sorted_routes_ptr,
               expert, w_row0 + col0, n0 + col0, slot0, N, top_k, limit, alpha, True, SWIGLUOAI, False, HAS_BIAS,
               HAS_GSCALE, C, XR, OUT_I64, HL)

@@ -32,9 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .sm90_operands import (_e4m3_addends, _e4m3_operands, _fp8_chain, _fp8_wait, _fragment_bytes,
                             _fragment_bytes_layout, _pow2, _scale_word_rows, _small_mma_layout)
-from .sm90_pipeline import (_async_load, _epilogue, _gate_up_rows, _joined_layout, _launch_dependents, _packed_layout,
-                            _reinterpret, _step_offset, _tile_origin, _tile_routes, _wait_for_previous_kernel,
-                            _weight_pointers)
+from .sm90_pipeline import (_async_load, _epilogue, _gate_up_apart, _gate_up_layout, _gate_up_rows, _joined_layout,
+                            _launch_dependents, _packed_layout, _reinterpret, _step_offset, _tile_origin, _tile_routes,
+                            _wait_for_previous_kernel, _weight_pointers)
 
 BM = gl.constexpr(64)  # rows of one m-tile (wgmma's M per warpgroup)
 
@@ -344,10 +344,8 @@ def _tile_epilogue(acc0, acc1, a_scale_ptr, gscale_ptr, bias_ptr, routes_ptr, ou
                   expert, expert * (2 * N) + n0 + BM * WG, n0 + BM * WG, slot0, N, top_k, limit, alpha, True,
                   SWIGLUOAI, True, HAS_BIAS, HAS_GSCALE, BM, BT, OUT_I64, MMA)
     elif GEMM1:  # the gate and up rows of output columns n0 + 32 WG .. apart (``_gate_up_rows``)
-        HL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # (MMA without its row + 8 bit)
-        g, u = acc0.reshape([BM // 16, 2, 8, BT]).permute((0, 2, 3, 1)).split()
-        g = gl.convert_layout(g.reshape([BM // 2, BT]), HL, assert_trivial=True)
-        u = gl.convert_layout(u.reshape([BM // 2, BT]), HL, assert_trivial=True)
+        HL: gl.constexpr = _gate_up_layout()
+        g, u = _gate_up_apart(acc0)
         c0 = n0 + (BM // 2) * WG
         for h in gl.static_range(PIECES):
             _epilogue(_piece(g, h, PIECES, HL), _piece(u, h, PIECES, HL), a_scale_ptr, gscale_ptr, bias_ptr,
