@@ -68,7 +68,10 @@ for T in [int(t) for t in args.tokens.split(",")]:
             fn()
             torch.cuda.synchronize()
             outs.append((out.clone(), out_masked))
-            timed.append(under(v, fn) if args.eager else capture_graph(fn).replay)
+            graph = None if args.eager else capture_graph(fn)
+            # (the graph replays into this variant's workspace and out: kept alive with it, or the next variant's
+            # buffers take their memory and the replay reads another layout's route pack)
+            timed.append(under(v, fn) if args.eager else (lambda graph=graph, keep=(fn, ws, out): graph.replay()))
         same.append(torch.equal(outs[-1][0], outs[0][0]))
         same_masked.append(torch.equal(outs[-1][1], outs[0][1]))
     times = [[] for _ in variants]
