@@ -547,25 +547,49 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
 
 
+def small_tiles_beside(ws8: GemmConfig) -> dict:
+    """The small-tile kernel's route-tile fields for a GEMM on the W4A8 prefill kernel's pack (``ws8``): its tiles
+    are at most 128 rows, so 256-row tiles in two sub-tiles."""
+    return dict(block_rows=min(ws8.block_rows, 128), sub_tiles=max(ws8.block_rows // 128, 1))
+
+
 def ws8_m_tiles(cfg: GemmConfig) -> int:
     """The W4A8 prefill kernel's m64 tiles per consumer warpgroup: ``block_m`` (weight rows per program) / 128."""
     return cfg.block_m // 128
 
 
+# a 256-row tile on one m-tile per warpgroup (``block_m=128``) against two 128-row tiles on two m-tiles: its cost per
+# routed slot (H100, perf-notes step 57: the reference shape's GEMM1 at T=8192, the same fill, -8 %)
+WS8_TALL_TILE_COST = 0.92
+
+
+def _ws8_tall_tiles(rows: int, num_experts: int) -> bool:
+    """Whether the W4A8 prefill kernel takes 256-row route tiles (one m-tile per warpgroup): where experts average
+    more than ``WIDE_FROM`` rows (a workspace holds 256-row packs there) and, under uniform routing, their expected
+    slots at ``WS8_TALL_TILE_COST`` each cost less than 128-row tiles'."""
+    if rows <= WIDE_FROM * num_experts:
+        return False
+    spread = _row_spread(rows, num_experts)
+    return WS8_TALL_TILE_COST * 2 * _tiles_per_expert(spread, 256) < _tiles_per_expert(spread, 128)
+
+
 def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
-    """The W4A8 prefill kernel (``sm90_ws8``): 128-row route tiles where experts average more than 64 rows, else 64;
-    as many 128-K stages as fit 192 KB of shared memory (block_m x 64 B of weights and BT x 128 B of activations
-    each); FP8 chains over all of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168) chains of that length on 64-row
-    tiles."""
-    bt = 128 if tile_rows_for(rows, num_experts) >= 128 else 64
-    promote = 0
+    """The W4A8 prefill kernel (``sm90_ws8``): 128-row route tiles where experts average more than 64 rows, else 64,
+    256-row tiles on one m-tile per warpgroup where they cost less (:func:`_ws8_tall_tiles`); as many 128-K stages as
+    fit 192 KB of shared memory (block_m x 64 B of weights and BT x 128 B of activations each); FP8 chains over all
+    of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168) chains of that length on 64-row tiles."""
+    bt, promote = (128 if tile_rows_for(rows, num_experts) >= 128 else 64), 0
     if k > WS8_MAX_CHAIN_K:
         bt, promote = 64, WS8_MAX_CHAIN_K // 128
-    cfg = dict(block_rows=bt, block_m=256, block_k=128, num_warps=4, loader_regs=64, converter_regs=224,
-               promote=promote)
-    if override.get("block_rows") == 256:  # the producer's 256 activation rows' pointers spill at 64 registers
-        cfg.update(loader_regs=96, converter_regs=208)  # (128 x 96 + 2 x 128 x 208 = 64 K)
+    elif _ws8_tall_tiles(rows, num_experts):
+        bt = 256
+    cfg = dict(block_rows=bt, block_k=128, num_warps=4, promote=promote)
     cfg.update(override)
+    cfg.setdefault("block_m", 128 if cfg["block_rows"] == 256 else 256)  # (256-row tiles: one m-tile per warpgroup)
+    # the producer's 256 activation rows' pointers spill at 64 registers (128 x 96 + 2 x 128 x 208 = 64 K)
+    regs = dict(loader_regs=96, converter_regs=208) if cfg["block_rows"] == 256 else dict(loader_regs=64,
+                                                                                          converter_regs=224)
+    cfg = {**regs, **cfg}
     cfg.setdefault("num_stages", (192 * 1024) // (cfg["block_m"] * 64 + cfg["block_rows"] * 128))
     return GemmConfig(kernel="gluon_ws8", **cfg).validate(n, k, True, True)
 

@@ -28,7 +28,8 @@ from ..workspace import default_plan, held_workspace, workspace_for
 from . import cdiv, env_get, interpreting, next_pow2, tuned  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
                      gemm_config, gluon_kernel, gluon_validated, kernel_choice, pack_shape, pack_tile_heights,
-                     pdl_launch, small_kernel_constexprs, unfolded_config, ws8_m_tiles)
+                     pdl_launch, small_kernel_constexprs, small_tiles_beside, unfolded_config,
+                     ws8_m_tiles)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
 from .launch_plan import KernelLaunch, LaunchPlan, run_launches
@@ -232,13 +233,14 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
         cfg1, cfg2 = config(True, table1), config(False, table2)
         if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
             ws8 = cfg1 if cfg1.kernel == "gluon_ws8" else cfg2
-            # (the small-tile kernel's tiles are at most 128 rows: 256-row tiles in two sub-tiles)
-            pinned = dict(block_rows=min(ws8.block_rows, 128), sub_tiles=max(ws8.block_rows // 128, 1))
+            pinned = small_tiles_beside(ws8)
             if ws8 is cfg1 and cfg2.block_rows * cfg2.sub_tiles != ws8.block_rows:
                 cfg2 = config(False, {**table2, **pinned})
             elif ws8 is cfg2 and cfg1.block_rows * cfg1.sub_tiles != ws8.block_rows:
                 cfg1 = config(True, {**table1, **pinned})
-        assert pack_shape(cfg1) == pack_shape(cfg2), "both GEMMs read one route pack"
+        if pack_shape(cfg1) != pack_shape(cfg2):  # (overrides that set one GEMM's tiles only)
+            raise ValueError(f"both GEMMs read one route pack: GEMM1's tiles {pack_shape(cfg1)} and GEMM2's "
+                             f"{pack_shape(cfg2)} (slots, extra rows) differ; set both GEMMs' block_rows")
         return cfg1, cfg2
 
     untuned = build({}, {})
