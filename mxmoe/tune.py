@@ -2,9 +2,9 @@
 
 For each path and token bucket (``_details/tuned.TOKEN_BUCKETS``) the tuner times the call as the library runs it
 without tables (the heuristics of ``_details/config``), then candidates that change only
-``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs, then each GEMM's pipeline stages, its K loop's form,
-its pairing of weight blocks and (up to ``DECODE_ROWS`` routed rows) a register cap, one knob at a time, keeping a
-change when it is faster. A candidate whose output is not bitwise the default's is rejected (and reported): a table
+``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs (``_height_candidate``), then each GEMM's pipeline
+stages, its K loop's form, its pairing of weight blocks and (up to ``DECODE_ROWS`` routed rows) a register cap, one
+knob at a time, keeping a change when it is faster. A candidate whose output is not bitwise the default's is rejected (and reported): a table
 changes speed, never results. The best is timed against
 the default once more, interleaved; an entry is written only when it wins by more than ``MIN_GAIN``.
 
@@ -92,6 +92,14 @@ def _candidates_for(cfg, gemm1: bool, fp8: bool, routes: int) -> list:
     return out
 
 
+def _height_candidate(bt: int, cfg1, cfg2) -> tuple[dict, dict]:
+    """Both GEMMs' fields for route tiles of ``bt`` rows: ``block_rows`` for each, except for a small-tile GEMM
+    beside the W4A8 prefill kernel's tiles of more than 128 rows, which the launcher gives that pack in sub-tiles
+    (``config.small_tiles_beside``)."""
+    beside_ws8 = bt > 128 and "gluon_ws8" in (cfg1.kernel, cfg2.kernel)
+    return tuple({} if beside_ws8 and cfg.kernel != "gluon_ws8" else dict(block_rows=bt) for cfg in (cfg1, cfg2))
+
+
 class Tuner:
     def __init__(self, shape: Shape, device: torch.device, samples: int = 25, stream: Optional[TextIO] = None):
         self.problem = _Problem(shape, device)
@@ -146,7 +154,7 @@ class Tuner:
         if not direct:
             for bt in pack_tile_heights(routes, shape.E):
                 if bt != cfg1.block_rows * cfg1.sub_tiles and bt >= 16:
-                    self._say(T, precision, f"block_rows={bt}", attempt(dict(block_rows=bt), dict(block_rows=bt)))
+                    self._say(T, precision, f"block_rows={bt}", attempt(*_height_candidate(bt, cfg1, cfg2)))
         with overrides(tuned=False, gemm1=best["gemm1"], gemm2=best["gemm2"]):
             cfg1, cfg2 = launch._configs(inp.x, self.problem.experts, shape.top_k, routes, precision == "w4a8")
         for gemm, cfg in (("gemm1", cfg1), ("gemm2", cfg2)):

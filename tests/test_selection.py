@@ -156,13 +156,9 @@ def test_kernel_choice_on_hopper(monkeypatch, env, version, fp8, rows, n, expect
         assert config.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, k=k) == kernel
         assert config.kernel_choice(torch.device("cuda"), rows=rows, num_experts=288, fp8=fp8, shapes_ok=False,
                                     k=k) == "triton"
-    # both GEMMs read one route pack: their configs agree on its tile height (a small-tile GEMM beside the W4A8
-    # prefill kernel's 256-row tiles takes them in sub-tiles, as the launcher sets: config.small_tiles_beside)
+    # both GEMMs read one route pack: their configs agree on its tile height
     cfgs = [config.gemm_config(rows, 288, gn, k, fp8, kernel=kernel, gemm1=g1)
             for (gn, k, g1), kernel in zip(((1024, n, True), (n, 1024, False)), expected)]
-    if cfgs[0].kernel == "gluon_ws8" and cfgs[1].kernel != "gluon_ws8":
-        cfgs[1] = config.gemm_config(rows, 288, n, 1024, fp8, config.small_tiles_beside(cfgs[0]), kernel=expected[1],
-                                     gemm1=False)
     assert cfgs[0].block_rows * cfgs[0].sub_tiles == cfgs[1].block_rows * cfgs[1].sub_tiles
 
 

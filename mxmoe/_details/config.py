@@ -558,31 +558,14 @@ def ws8_m_tiles(cfg: GemmConfig) -> int:
     return cfg.block_m // 128
 
 
-# a 256-row tile on one m-tile per warpgroup (``block_m=128``) against two 128-row tiles on two m-tiles: its cost per
-# routed slot (H100, perf-notes step 57: the reference shape's GEMM1 at T=8192, the same fill, -8 %)
-WS8_TALL_TILE_COST = 0.92
-
-
-def _ws8_tall_tiles(rows: int, num_experts: int) -> bool:
-    """Whether the W4A8 prefill kernel takes 256-row route tiles (one m-tile per warpgroup): where experts average
-    more than ``WIDE_FROM`` rows (a workspace holds 256-row packs there) and, under uniform routing, their expected
-    slots at ``WS8_TALL_TILE_COST`` each cost less than 128-row tiles'."""
-    if rows <= WIDE_FROM * num_experts:
-        return False
-    spread = _row_spread(rows, num_experts)
-    return WS8_TALL_TILE_COST * 2 * _tiles_per_expert(spread, 256) < _tiles_per_expert(spread, 128)
-
-
 def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
-    """The W4A8 prefill kernel (``sm90_ws8``): 128-row route tiles where experts average more than 64 rows, else 64,
-    256-row tiles on one m-tile per warpgroup where they cost less (:func:`_ws8_tall_tiles`); as many 128-K stages as
-    fit 192 KB of shared memory (block_m x 64 B of weights and BT x 128 B of activations each); FP8 chains over all
+    """The W4A8 prefill kernel (``sm90_ws8``): 128-row route tiles where experts average more than 64 rows, else 64
+    (256-row tiles, one m-tile per warpgroup, by override or a tuned table: perf-notes step 57); as many 128-K stages
+    as fit 192 KB of shared memory (block_m x 64 B of weights and BT x 128 B of activations each); FP8 chains over all
     of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168) chains of that length on 64-row tiles."""
     bt, promote = (128 if tile_rows_for(rows, num_experts) >= 128 else 64), 0
     if k > WS8_MAX_CHAIN_K:
         bt, promote = 64, WS8_MAX_CHAIN_K // 128
-    elif _ws8_tall_tiles(rows, num_experts):
-        bt = 256
     cfg = dict(block_rows=bt, block_k=128, num_warps=4, promote=promote)
     cfg.update(override)
     cfg.setdefault("block_m", 128 if cfg["block_rows"] == 256 else 256)  # (256-row tiles: one m-tile per warpgroup)
