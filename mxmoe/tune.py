@@ -4,9 +4,9 @@ For each path and token bucket (``_details/tuned.TOKEN_BUCKETS``) the tuner time
 without tables (the heuristics of ``_details/config``), then candidates that change only
 ``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs (``_height_candidate``), then each GEMM's pipeline
 stages, its K loop's form, its pairing of weight blocks and (up to ``DECODE_ROWS`` routed rows) a register cap, one
-knob at a time, keeping a change when it is faster. A candidate whose output is not bitwise the default's is rejected (and reported): a table
-changes speed, never results. The best is timed against
-the default once more, interleaved; an entry is written only when it wins by more than ``MIN_GAIN``.
+knob at a time, keeping a change when it is faster. A candidate whose output is not bitwise the default's is
+rejected (and reported): a table changes speed, never results. The best is timed against the default once more,
+interleaved; an entry is written only when it wins by more than ``MIN_GAIN``.
 
 Timing: every bucket as CUDA-graph replays, so that the GPU's time is what is compared (a tuned config changes no
 host work, and candidates run under ``config.overrides``, where launch plans do not apply: eager calls would add the
