@@ -4,8 +4,7 @@ register operand, with the K32 block scale folded.
 * W4A16: BF16 pairs with the block scale folded (``convert``'s K-ordered asm; per-block or paired factors of a
   32-bit scale word), ``_bf16_operand``; the per-row reference exponent after the K loop (``_times_row_ref``).
 * W4A8: E4M3 codes with the scale folded through a byte table per block (``_e4m3_operands``), chained in the FP8
-  accumulator (``_fp8_chain`` / ``_fp8_wait``: an async register-operand wgmma is correct only with its operand in
-  the wait's ``deps``); ``_times_row_fold`` after the K loop.
+  accumulator (``_fp8_chain`` / ``_fp8_wait``); ``_times_row_fold`` after the K loop.
 * The fragment layouts that let each thread read exactly its operand words of the prepared bytes
   (``prepare.interleave_block_bits``).
 """
@@ -182,24 +181,14 @@ def _fp8_chain(ops, act_s, acc, NB: gl.constexpr, use_acc=True):
 
 
 @gluon.jit
-def _keep_alive(x):
-    """An empty asm reading ``x`` (FP8, 4 values per register), placed after a wgmma wait: the registers of an async
-    wgmma's FP8 register operand stay live until the MMA read them. (``warpgroup_mma_wait(deps=...)`` does this for
-    16- and 32-bit operands; Triton 3.6 refuses 8-bit ones there.)"""
-    gl.inline_asm_elementwise("// $1", "=r,r", [x], dtype=gl.uint8, is_pure=False, pack=4)
-
-
-@gluon.jit
-def _fp8_wait(acc_g, acc_u, ops_g, ops_u, NH: gl.constexpr, NB: gl.constexpr):
-    """Wait for every wgmma in flight, the register operands kept live until then (``_keep_alive``)."""
+def _fp8_wait(acc_g, acc_u, NH: gl.constexpr):
+    """Wait for every wgmma in flight. (Triton 3.6 refuses 8-bit ``deps``, and an empty asm reading the FP8 operands
+    after the wait changed no instruction of any kernel under 3.6 or 3.9, perf-notes step 57: what keeps an issued
+    wgmma's operand registers unwritten until this wait is the schedule, which ``sm90.operand_races`` checks.)"""
     if NH == 2:
         acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
     else:
         acc_g = warpgroup_mma_wait(0, deps=(acc_g, ))
-    for b in gl.static_range(NB):
-        _keep_alive(ops_g[b])
-        if NH == 2:
-            _keep_alive(ops_u[b])
     return acc_g, acc_u
 
 

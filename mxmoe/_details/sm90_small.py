@@ -262,7 +262,6 @@ def _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u
         pg = _fp8_chain(ops_g, act_s, pg, NB, chained)
     else:
         acc_g = _fp8_chain(ops_g, act_s, acc_g, NB)
-    ops_u = ops_g
     if NH == 2:
         ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), cur_su, tlo_u, thi_u, BM, BK, DOT)
         if PROMOTE > 0:
@@ -270,9 +269,9 @@ def _folded_step(packed, act_s, s, i, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u
         else:
             acc_u = _fp8_chain(ops_u, act_s, acc_u, NB)
     if PROMOTE > 0:
-        pg, pu = _fp8_wait(pg, pu, ops_g, ops_u, NH, NB)
+        pg, pu = _fp8_wait(pg, pu, NH)
     else:
-        acc_g, acc_u = _fp8_wait(acc_g, acc_u, ops_g, ops_u, NH, NB)
+        acc_g, acc_u = _fp8_wait(acc_g, acc_u, NH)
     return acc_g, acc_u, pg, pu
 
 
@@ -285,7 +284,6 @@ def _unfolded_step(packed, act_s, s, cur_sg, cur_su, tlo_g, thi_g, tlo_u, thi_u,
     NB: gl.constexpr = BK // 32
     no_b = gl.zeros([BM, NB], gl.int32, SC)
     ops_g = _e4m3_operands(_fragment_bytes(packed.index(s * NH), BM, BK, U), no_b, tlo_g, thi_g, BM, BK, DOT)
-    ops_u = ops_g
     if NH == 2:
         ops_u = _e4m3_operands(_fragment_bytes(packed.index(s * NH + 1), BM, BK, U), no_b, tlo_u, thi_u, BM, BK, DOT)
     pg = zero

@@ -229,11 +229,10 @@ def _consumer_step(packed, act, consumed, s, acc0, acc1, sc0, sc1, lo0, hi0, lo1
     act_s = act.index(s)  # (the tail step's MMAs read its first KB columns)
     ops0 = _stage_ops(packed, s, MT * WG, sc0, lo0, hi0, BK, U, KB, DOT, MT)
     acc0 = _fp8_chain(ops0, act_s, acc0, NBS, use_acc)
-    ops1 = ops0
     if MT == 2:
         ops1 = _stage_ops(packed, s, 2 * WG + 1, sc1, lo1, hi1, BK, U, KB, DOT, MT)
         acc1 = _fp8_chain(ops1, act_s, acc1, NBS, use_acc)
-    acc0, acc1 = _fp8_wait(acc0, acc1, ops0, ops1, MT, NBS)
+    acc0, acc1 = _fp8_wait(acc0, acc1, MT)
     mbarrier.arrive(consumed.index(s))
     return acc0, acc1
 
