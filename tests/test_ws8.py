@@ -30,11 +30,14 @@ def test_config_route_tiles_stages_and_chains():
     assert tests.promote == 8
     one = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_m=128, block_rows=256), gemm1=True)
     assert one.num_stages == 4  # one m-tile per warpgroup: 4 x (8 KB of weights + 32 KB of activations)
+    halves = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_rows=128, sub_tiles=2), gemm1=True)
+    assert (halves.block_m, halves.num_stages, halves.sub_tiles) == (256, 6, 2)  # a 256-row pack's 128-row halves
 
 
 @pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64),
                                  dict(block_m=256, block_rows=256), dict(block_m=64),
-                                 dict(block_m=128, block_rows=256, promote=8)])
+                                 dict(block_m=128, block_rows=256, promote=8), dict(block_rows=64, sub_tiles=2),
+                                 dict(block_m=128, block_rows=256, sub_tiles=2), dict(sub_tiles=4)])
 def test_config_refuses_what_the_kernel_cannot_run(bad):
     with pytest.raises(ValueError):
         gemm_config(65536, 288, 1024, 4096, True, dict(WS8, **bad), gemm1=True)
@@ -49,6 +52,9 @@ def test_unfolded_experts_take_the_small_tile_kernel_on_the_same_pack():
     exact = unfolded_config(cfg, True, 4096)
     assert exact.kernel == "gluon_small" and exact.block_m == 64 and exact.promote == 0
     assert exact.block_rows * exact.sub_tiles == cfg.block_rows  # the same route tiles, in 64-row sub-tiles
+    halves = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_rows=128, sub_tiles=2), gemm1=True)
+    exact = unfolded_config(halves, True, 4096)
+    assert exact.block_rows * exact.sub_tiles == 256  # (its pack: 256-row tiles)
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
@@ -74,7 +80,8 @@ def _call(ex, x, w, ids, variant):
     from mxmoe._details.config import overrides
 
     out = torch.full_like(x, float("nan"))
-    with overrides(gemm=variant):  # (a workspace sized under the variant: its route pack may be larger)
+    per_gemm = variant if "gemm1" in variant else dict(gemm=variant)
+    with overrides(**per_gemm):  # (a workspace sized under the variant: its route pack may be larger)
         ws = mxmoe.Workspace(ex, x.shape[0], ids.shape[1], fp8=True)
         mxmoe.fused_moe(x, ex, w, ids, precision="w4a8", activation="swigluoai", out=out, workspace=ws)
     return out
@@ -95,7 +102,9 @@ def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
     small_128 = {"kernel": "gluon_small", "block_rows": 128, "promote": 0, "promote_smem": False}
     for small, new in ((small_64, dict(WS8, block_rows=64, promote=8)), (small_128, dict(WS8, block_rows=128)),
                        (small_64, dict(WS8, block_m=128, block_rows=128, promote=8)),  # one m-tile per warpgroup
-                       (small_128, dict(WS8, block_m=128, block_rows=256))):
+                       (small_128, dict(WS8, block_m=128, block_rows=256)),
+                       (small_128, dict(WS8, block_rows=128, sub_tiles=2)),  # a 256-row pack's 128-row halves
+                       (small_128, dict(gemm1=dict(WS8, block_rows=128, sub_tiles=2), gemm2=dict(WS8, block_rows=256)))):
         want = _call(ex, x, w, ids, small)
         got = _call(ex, x, w, ids, new)
         assert not bool(got.isnan().any())
@@ -155,3 +164,44 @@ def test_a_small_tile_gemm_takes_the_prefill_kernels_route_tiles(monkeypatch):
     with overrides(gemm1={"block_m": 128, "block_rows": 256}):  # in two 128-row sub-tiles
         cfg1, cfg2 = launch._configs(x, experts, 288 * 228 // 8, 288 * 228, True)
     assert (cfg1.block_rows, cfg2.block_rows, cfg2.sub_tiles) == (256, 128, 2)
+
+
+@pytest.mark.parametrize("shape,tokens,expected", [
+    ((288, 4096, 1024, 8), 4096, (False, False)),   # 114 rows per expert: no 256-row packs
+    ((288, 4096, 1024, 8), 8192, (True, False)),    # GEMM1 at 0.93 per slot, the same slots; GEMM2 small, in halves
+    ((128, 2880, 2880, 4), 4096, (False, False)),
+    ((128, 2880, 2880, 4), 8192, (False, True)),    # GEMM2 at 0.79 per slot pays for 20 % more slots
+    ((32, 2880, 2880, 4), 2048, (False, True)),
+    ((256, 7168, 2048, 8), 8192, (False, False)),   # GEMM1's K past 4096: 64-row tiles
+])
+def test_tall_route_tiles_where_their_expected_cost_is_lower(shape, tokens, expected):
+    from mxmoe._details.config import w4a8_prefill, w4a8_tall_tiles
+
+    E, H, I, top_k = shape
+    kernels = tuple("gluon_ws8" if w4a8_prefill(tokens * top_k, E, k) else "gluon_small" for k in (H, I))
+    assert w4a8_tall_tiles(tokens * top_k, E, H, I, kernels) == expected
+
+
+@pytest.mark.parametrize("shape,tokens,tiles", [
+    ((288, 4096, 1024, 8), 8192, ((256, 1, 128), (128, 2, 64))),    # GEMM2 the small kernel on the halves
+    ((32, 2880, 2880, 4), 8192, ((128, 2, 256), (256, 1, 128))),    # GEMM1 on the prefill kernel's halves
+    ((128, 2880, 2880, 4), 4096, ((128, 1, 256), (128, 1, 256))),
+])
+def test_both_gemms_on_one_pack_with_256_row_tiles(monkeypatch, shape, tokens, tiles):
+    """The heuristics' 256-row tiles: (block_rows, sub_tiles, block_m) of each GEMM; overrides of the tiles win."""
+    from types import SimpleNamespace
+
+    from mxmoe._details import launch
+    from mxmoe._details.config import overrides, w4a8_prefill
+
+    E, H, I, top_k = shape
+    experts = SimpleNamespace(num_experts=E, hidden_size=H, intermediate_size=I)
+    x = torch.zeros(4, H, dtype=torch.bfloat16)
+    rows = tokens * top_k
+    monkeypatch.setattr(launch, "kernel_choice",
+                        lambda *a, k=0, **kw: "gluon_ws8" if w4a8_prefill(rows, E, k) else "gluon_small")
+    cfgs = launch._configs(x, experts, top_k, rows, True)
+    assert tuple((c.block_rows, c.sub_tiles, c.block_m) for c in cfgs) == tiles
+    with overrides(gemm={"block_rows": 128}):
+        cfgs = launch._configs(x, experts, top_k, rows, True)
+    assert all((c.block_rows, c.sub_tiles) == (128, 1) for c in cfgs)

@@ -80,6 +80,9 @@ class GemmConfig:
                                  "block_m 128 or 256")
             if self.block_rows not in ((64, 128) if self.block_m == 256 else (64, 128, 256)):
                 raise ValueError("the W4A8 prefill kernel takes 64- or 128-row route tiles, 256 at block_m=128")
+            if self.sub_tiles not in (1, 2) or (self.sub_tiles == 2 and self.block_rows != 128):
+                raise ValueError("the W4A8 prefill kernel takes a 256-row pack's tiles whole or in two 128-row "
+                                 "sub-tiles (sub_tiles=2 at block_rows=128)")
             if self.promote and self.block_rows * self.block_m > 128 * 128:
                 raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at block_rows x block_m "
                                  "<= 128 x 128 only")
@@ -547,10 +550,39 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
     return GemmConfig(kernel="gluon_small", **cfg).validate(n, k, gemm1, fp8)
 
 
-def small_tiles_beside(ws8: GemmConfig) -> dict:
-    """The small-tile kernel's route-tile fields for a GEMM on the W4A8 prefill kernel's pack (``ws8``): its tiles
-    are at most 128 rows, so 256-row tiles in two sub-tiles."""
+def tiles_beside(ws8: GemmConfig) -> dict:
+    """The route-tile fields of a GEMM beside one on the W4A8 prefill kernel (``ws8``), on its pack: tiles of at most
+    128 rows (the small-tile kernel's; the prefill kernel's two m-tiles per warpgroup), so 256-row tiles in two
+    sub-tiles."""
     return dict(block_rows=min(ws8.block_rows, 128), sub_tiles=max(ws8.block_rows // 128, 1))
+
+
+# W4A8 prefill on 256-row route tiles (one m-tile per warpgroup) against 128-row tiles (two): each GEMM's time per
+# pack slot, by (GEMM1, K % 128 == 0), H100, perf-notes step 58: the reference shape's GEMM1 0.91-0.94; gpt-oss's
+# (K = 2880) GEMM2 0.76-0.80, GEMM1 0.94-1.01 (taken as 1: no gain); unmeasured: 1
+WS8_TALL_SLOT_COST = {(True, True): 0.93, (True, False): 1.0, (False, False): 0.79, (False, True): 1.0}
+SMALL_SUB_TILE_COST = 1.03  # the small-tile kernel on a 256-row pack's 128-row halves against a 128-row pack (step 58)
+
+
+def w4a8_tall_tiles(rows: int, num_experts: int, hidden: int, inter: int, kernels: tuple) -> tuple[bool, bool]:
+    """Which W4A8 GEMMs (GEMM1, GEMM2) take 256-row route tiles on the prefill kernel (``kernels``: each GEMM's
+    :func:`kernel_choice`), the other one then the pack's 128-row halves (:func:`tiles_beside`): where experts average
+    more than ``WIDE_FROM`` rows (a workspace holds 256-row packs there) and, under uniform routing's expected slots
+    per expert (``_tiles_per_expert``), the GEMMs' costs (MACs per row: GEMM1 2, GEMM2 1; ``WS8_TALL_SLOT_COST``,
+    ``SMALL_SUB_TILE_COST``) come out lower than on 128-row tiles."""
+    ks = (hidden, inter)
+    ws8 = [kernel == "gluon_ws8" for kernel in kernels]
+    if rows <= WIDE_FROM * num_experts or not any(ws8) or max(k for k, w in zip(ks, ws8) if w) > WS8_MAX_CHAIN_K:
+        return False, False  # (past it the prefill kernel's chains need 64-row tiles)
+    spread = _row_spread(rows, num_experts)
+    short, tall = 128 * _tiles_per_expert(spread, 128), 256 * _tiles_per_expert(spread, 256)
+    cost, picks = 0.0, []
+    for gemm1, on_ws8, k, macs in zip((True, False), ws8, ks, (2, 1)):
+        halves = short * (1.0 if on_ws8 else SMALL_SUB_TILE_COST)
+        whole = tall * WS8_TALL_SLOT_COST[gemm1, k % 128 == 0] if on_ws8 else halves
+        picks.append(whole < halves)
+        cost += macs * min(whole, halves)
+    return tuple(picks) if any(picks) and cost < 3 * short else (False, False)
 
 
 def ws8_m_tiles(cfg: GemmConfig) -> int:
@@ -615,8 +647,8 @@ def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
     sub-tiles; 128 K per stage where the scale words allow, 64 for GEMM1 at 64 rows under a cap of 200 registers and
     160 at 32 rows (perf-notes steps 13 and 15)."""
     if cfg.kernel == "gluon_ws8":  # (its route pack, the small-tile kernel's form)
-        cfg = GemmConfig(block_rows=cfg.block_rows, block_m=64, block_k=64, num_warps=4, num_stages=4,
-                         kernel="gluon_small", scale_words=k % 128 == 0)
+        cfg = GemmConfig(block_rows=cfg.block_rows, sub_tiles=cfg.sub_tiles, block_m=64, block_k=64, num_warps=4,
+                         num_stages=4, kernel="gluon_small", scale_words=k % 128 == 0)
     bt = min(cfg.block_rows, 64)
     bk = 128 if k % 128 == 0 else cfg.block_k
     nreg = 0

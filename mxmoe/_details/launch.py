@@ -28,7 +28,7 @@ from ..workspace import default_plan, held_workspace, workspace_for
 from . import cdiv, env_get, interpreting, next_pow2, tuned  # (interpreter: plain-Triton forms, no inline asm)
 from .config import (DEFAULT_OVERRIDES, DIRECT_MAX_TOKENS, TILE_ROWS, GemmConfig, bundled, current_overrides,
                      gemm_config, gluon_kernel, gluon_validated, kernel_choice, pack_shape, pack_tile_heights,
-                     pdl_launch, small_kernel_constexprs, small_tiles_beside, unfolded_config,
+                     pdl_launch, small_kernel_constexprs, tiles_beside, unfolded_config, w4a8_tall_tiles,
                      ws8_m_tiles)
 from .elementwise import quantize_rows_kernel, topk_sum_kernel
 from .gemm import moe_gemm_kernel
@@ -111,7 +111,7 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         if cfg.kernel == "gluon_ws8":
             del meta["BM"], meta["FP8"]
             meta.update(K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, PRODUCER_REGS=cfg.loader_regs,
-                        CONSUMER_REGS=cfg.converter_regs, M_TILES=ws8_m_tiles(cfg),
+                        CONSUMER_REGS=cfg.converter_regs, M_TILES=ws8_m_tiles(cfg), SUB_TILES=cfg.sub_tiles,
                         **pdl_launch(out.device, kernel_arg=False))
             args.append(fold)
         else:
@@ -170,12 +170,16 @@ def _libcuda():
         return None
 
 
-def _quantize_rows(x, q, scale, row_valid=None) -> KernelLaunch:
-    K = x.shape[1]
-    return KernelLaunch(quantize_rows_kernel, (x.shape[0],),
-                        (x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale, K),
-                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=min(next_pow2(K), 4096),
-                             PURE=interpreting(), num_warps=4))
+def _quantize_rows(x, q, scale, row_valid=None, rows_per_program: int = 0) -> KernelLaunch:
+    """The row quantizer's launch: rows of up to 1024 K four per program (``rows_per_program``: 0 for that; a route
+    pack's padding rows then cost a quarter of the programs: perf-notes step 58), longer ones one each."""
+    M, K = x.shape
+    block_k = min(next_pow2(K), 4096)
+    rows = rows_per_program or min(max(4096 // block_k, 1), 4)
+    return KernelLaunch(quantize_rows_kernel, (cdiv(M, rows),),
+                        (x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale, M, K),
+                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=block_k, ROWS=rows, PURE=interpreting(),
+                             num_warps=4))
 
 
 def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map=None) -> torch.Tensor:
@@ -231,23 +235,29 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
 
     def build(table1: dict, table2: dict) -> tuple[GemmConfig, GemmConfig]:
         cfg1, cfg2 = config(True, table1), config(False, table2)
-        if (cfg1.kernel == "gluon_ws8") != (cfg2.kernel == "gluon_ws8"):  # the other GEMM on the W4A8 kernel's pack
-            ws8 = cfg1 if cfg1.kernel == "gluon_ws8" else cfg2
-            pinned = small_tiles_beside(ws8)
-            if ws8 is cfg1 and cfg2.block_rows * cfg2.sub_tiles != ws8.block_rows:
-                cfg2 = config(False, {**table2, **pinned})
-            elif ws8 is cfg2 and cfg1.block_rows * cfg1.sub_tiles != ws8.block_rows:
-                cfg1 = config(True, {**table1, **pinned})
+        # the other GEMM on the pack of the W4A8 kernel's 256-row tiles, or of its tiles beside a small-tile GEMM
+        ws8 = [cfg for cfg in (cfg1, cfg2) if cfg.kernel == "gluon_ws8"]
+        lead = next((cfg for cfg in ws8 if cfg.block_rows == 256), ws8[0] if len(ws8) == 1 else None)
+        if lead is not None and pack_shape(cfg1) != pack_shape(cfg2):
+            if lead is cfg1:
+                cfg2 = config(False, {**table2, **tiles_beside(lead)})
+            else:
+                cfg1 = config(True, {**table1, **tiles_beside(lead)})
         if pack_shape(cfg1) != pack_shape(cfg2):  # (overrides that set one GEMM's tiles only)
             raise ValueError(f"both GEMMs read one route pack: GEMM1's tiles {pack_shape(cfg1)} and GEMM2's "
                              f"{pack_shape(cfg2)} (slots, extra rows) differ; set both GEMMs' block_rows")
         return cfg1, cfg2
 
-    untuned = build({}, {})
+    tall = (False, False)
+    if fp8 and not any(f in gemm for gemm in (changes.gemm1, changes.gemm2) for f in ("block_rows", "sub_tiles")):
+        tall = w4a8_tall_tiles(routes, E, H, I, kernels)  # (overrides of the tiles: theirs alone)
+    untuned = build(*({"block_rows": 256} if t else {} for t in tall))
     if changes.tuned and x.device.type == "cuda" and "gluon" in kernels[0] and "gluon" in kernels[1]:
         entry = tuned.lookup(x.device, (E, H, I, top_k), "w4a8" if fp8 else "w4a16", x.shape[0])
-        if entry is not None and entry.fits(*untuned) \
-                and entry.gemm1.get("block_rows", TILE_ROWS[0]) in pack_tile_heights(routes, E):  # (a workspace's)
+        heights = pack_tile_heights(routes, E)  # (a workspace's)
+        if entry is not None and entry.fits(*untuned) and all(
+                fields.get("block_rows", TILE_ROWS[0]) * fields.get("sub_tiles", 1) in heights
+                for fields in (entry.gemm1, entry.gemm2)):
             try:
                 return build(entry.gemm1, entry.gemm2)
             except ValueError:  # fields this call's shape of work does not take (a bucket's lower T): untuned
