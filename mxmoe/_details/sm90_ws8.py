@@ -202,12 +202,23 @@ def _scale_sources(s_ptr, row0, offs, K, SCALE_WORDS: gl.constexpr, NB: gl.const
 @gluon.jit
 def _scale_load(src, i, SCALE_WORDS: gl.constexpr, NB: gl.constexpr):
     """Issue the loads of K step ``i``'s scale bytes of an m-tile's rows: with ``SCALE_WORDS`` one 32-bit word per row
-    (128 K), else NB bytes. The loaded values cross the loop's back edge as they are, unpacked at their use a step
-    later (``_scale_unpack``): unpacked here, the loads' latency stalled every step (perf-notes step 55)."""
+    (128 K), else NB bytes. The loaded values cross the loop's back edge as they are, unpacked at their use one or two
+    steps later (``_scale_unpack``): unpacked here, the loads' latency stalled every step (perf-notes step 55)."""
     if SCALE_WORDS:
         return gl.load(src + i)
     else:
         return gl.load(src + i * NB)
+
+
+@gluon.jit
+def _scale_ring(src0, src1, first, num_full, SCALE_WORDS: gl.constexpr, NB: gl.constexpr, MT: gl.constexpr):
+    """Both m-tiles' scale loads of K step ``first`` (past the last full step: the last one's again, never used)."""
+    i = gl.maximum(gl.minimum(first, num_full - 1), 0)
+    nxt0 = _scale_load(src0, i, SCALE_WORDS, NB)
+    nxt1 = nxt0
+    if MT == 2:
+        nxt1 = _scale_load(src1, i, SCALE_WORDS, NB)
+    return nxt0, nxt1
 
 
 @gluon.jit
@@ -255,7 +266,7 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
               packed, act, loaded, consumed, GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
               HAS_GSCALE: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
               U: gl.constexpr, K_TAIL: gl.constexpr, PROMOTE: gl.constexpr, OUT_I64: gl.constexpr, MT: gl.constexpr,
-              SUB: gl.constexpr, WG: gl.constexpr):
+              SUB: gl.constexpr, SCALE_AHEAD: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: its ``MT`` m-tiles of every tile the program walks (module docstring)."""
     _wait_for_previous_kernel()  # (the activations' scales, the route pack)
     NB: gl.constexpr = BK // 32
@@ -284,15 +295,18 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
             acc1 = zero
             tot0 = zero  # PROMOTE: the FP32 sums of the chains done
             tot1 = zero
-            nxt0 = _scale_load(src0, 0, SCALE_WORDS, NB)
-            nxt1 = nxt0
-            if MT == 2:
-                nxt1 = _scale_load(src1, 0, SCALE_WORDS, NB)
+            nxt0, nxt1 = _scale_ring(src0, src1, 0, num_full, SCALE_WORDS, NB, MT)
+            far0, far1 = nxt0, nxt1  # (SCALE_AHEAD = 2: step i + 2's, in flight through two steps)
+            if SCALE_AHEAD == 2:
+                far0, far1 = _scale_ring(src0, src1, 1, num_full, SCALE_WORDS, NB, MT)
             for i in range(num_full):
                 s = _stage_ready(loaded, c, NUM_STAGES)
                 cur0 = _scale_unpack(nxt0, SCALE_WORDS, NB, SC)
                 cur1 = _scale_unpack(nxt1, SCALE_WORDS, NB, SC)
-                if i + 1 < num_full:  # the next step's scale bytes, in flight through this one
+                if SCALE_AHEAD == 2:
+                    nxt0, nxt1 = far0, far1
+                    far0, far1 = _scale_ring(src0, src1, i + 2, num_full, SCALE_WORDS, NB, MT)
+                elif i + 1 < num_full:  # the next step's scale bytes, in flight through this one
                     nxt0 = _scale_load(src0, i + 1, SCALE_WORDS, NB)
                     if MT == 2:
                         nxt1 = _scale_load(src1, i + 1, SCALE_WORDS, NB)
@@ -404,6 +418,7 @@ def moe_gemm_ws8_kernel(
     BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, W_UNIT: gl.constexpr, K_TAIL: gl.constexpr,
     PROMOTE: gl.constexpr = 0, OUT_I64: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 64,
     CONSUMER_REGS: gl.constexpr = 224, M_TILES: gl.constexpr = 2, SUB_TILES: gl.constexpr = 1,
+    SCALE_AHEAD: gl.constexpr = 1,
 ):
     """The ``moe_gemm_kernel`` contract for W4A8 prefill (module docstring): ``num_warps=4`` (the first consumer
     warpgroup), persistent (a 1-D grid of at most one program per SM walking the (route tile, column block) tiles
@@ -442,11 +457,13 @@ def moe_gemm_ws8_kernel(
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
                          limit, alpha, num_full, packed, act, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
-                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES, 0)),
+                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES,
+                         SCALE_AHEAD, 0)),
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
                          limit, alpha, num_full, packed, act, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
-                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES, 1)),
+                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES,
+                         SCALE_AHEAD, 1)),
             (_producer, (a_ptr, stride_a, w_ptr, sorted_routes_ptr, tile_expert_ptr, fold_ptr, first, end, stride,
                          n_blocks, N, K, top_k, num_full, packed, act, loaded, consumed, GEMM1, BT, BK, NUM_STAGES,
                          W_UNIT, K_TAIL, M_TILES, SUB_TILES)),
