@@ -2,7 +2,7 @@
 
 For each path and token bucket (``_details/tuned.TOKEN_BUCKETS``) the tuner times the call as the library runs it
 without tables (the heuristics of ``_details/config``), then candidates that change only
-``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs (``_height_candidates``), then each GEMM's pipeline
+``tuned.SPEED_FIELDS``: the route-tile height of both GEMMs (``_height_candidate``), then each GEMM's pipeline
 stages, its K loop's form, its pairing of weight blocks and (up to ``DECODE_ROWS`` routed rows) a register cap, one
 knob at a time, keeping a change when it is faster. A candidate whose output is not bitwise the default's is
 rejected (and reported): a table changes speed, never results. The best is timed against the default once more,
@@ -92,15 +92,12 @@ def _candidates_for(cfg, gemm1: bool, fp8: bool, routes: int) -> list:
     return out
 
 
-def _height_candidates(bt: int, cfg1, cfg2) -> list:
-    """Both GEMMs' fields (gemm1, gemm2) for route tiles of ``bt`` rows: ``block_rows`` for each; at 256 rows beside
-    the W4A8 prefill kernel each non-empty set of its GEMMs on 256-row tiles, the other GEMM on the pack's 128-row
-    halves (the launcher's ``config.tiles_beside``)."""
-    ws8 = [cfg.kernel == "gluon_ws8" for cfg in (cfg1, cfg2)]
-    if bt <= 128 or not any(ws8):
-        return [(dict(block_rows=bt), dict(block_rows=bt))]
-    return [tuple(dict(block_rows=bt) if t else {} for t in tall) for tall in ((True, False), (False, True), (True, True))
-            if all(w or not t for w, t in zip(ws8, tall))]
+def _height_candidate(bt: int, cfg1, cfg2) -> tuple[dict, dict]:
+    """Both GEMMs' fields for route tiles of ``bt`` rows: ``block_rows`` for each, except for a small-tile GEMM
+    beside the W4A8 prefill kernel's tiles of more than 128 rows, which the launcher gives that pack in sub-tiles
+    (``config.tiles_beside``)."""
+    beside_ws8 = bt > 128 and "gluon_ws8" in (cfg1.kernel, cfg2.kernel)
+    return tuple({} if beside_ws8 and cfg.kernel != "gluon_ws8" else dict(block_rows=bt) for cfg in (cfg1, cfg2))
 
 
 class Tuner:
@@ -157,9 +154,9 @@ class Tuner:
         if not direct:
             kinds = (tuned.kind(cfg1), tuned.kind(cfg2))
             for bt in pack_tile_heights(routes, shape.E):
-                for g1, g2 in _height_candidates(bt, cfg1, cfg2) if bt >= 16 else ():
-                    if self._kinds(inp.x, routes, precision, g1, g2) != kinds:  # (the default's: timed already)
-                        self._say(T, precision, f"tiles {g1} {g2}", attempt(g1, g2))
+                g1, g2 = _height_candidate(bt, cfg1, cfg2)
+                if bt >= 16 and self._kinds(inp.x, routes, precision, g1, g2) != kinds:  # (the default's: timed)
+                    self._say(T, precision, f"block_rows={bt}", attempt(g1, g2))
         with overrides(tuned=False, gemm1=best["gemm1"], gemm2=best["gemm2"]):
             cfg1, cfg2 = launch._configs(inp.x, self.problem.experts, shape.top_k, routes, precision == "w4a8")
         for gemm, cfg in (("gemm1", cfg1), ("gemm2", cfg2)):

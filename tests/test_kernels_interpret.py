@@ -256,11 +256,10 @@ def test_row_quantizer_matches_reference():
     assert (s[3] == 0) and (q[3].float() == 0).all()
 
 
-@pytest.mark.parametrize("K", [1024, 2080, 4160])
+@pytest.mark.parametrize("K", [2080, 4160])
 def test_row_quantizer_skips_padding_rows_and_spans_k_chunks(K):
-    """A row in one block (read once; four rows per program at K <= 1024, a program of padding alone, a last program
-    of one row) and over two (the last partial; read twice), with route-pack padding rows (``row_valid`` < 0) left as
-    they were, the others equal to the reference."""
+    """A row in one block (read once) and over two (the last partial; read twice), with route-pack padding rows
+    (``row_valid`` < 0) left as they were, the others equal to the reference."""
     from mxmoe._details.launch import _quantize_rows
     from mxmoe.prepare import e4m3_slot_order
     from mxmoe.reference import quantize_rows_fp8
@@ -270,11 +269,10 @@ def test_row_quantizer_skips_padding_rows_and_spans_k_chunks(K):
     x = torch.randn(rows, K, generator=g) * torch.logspace(-3, 3, rows)[:, None]
     valid = torch.arange(rows, dtype=torch.int32)
     valid[[0, 5, 6, 36]] = -1
-    valid[8:12] = -1
     q = torch.full((rows, K), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
     s = torch.full((rows,), float("nan"))
     launch = _quantize_rows(x, q, s, row_valid=valid)
-    assert (launch.meta["BLOCK_K"] < K) == (K > 4096) and launch.meta["ROWS"] == (4 if K <= 1024 else 1)
+    assert (launch.meta["BLOCK_K"] < K) == (K > 4096)
     launch.run()
     q_ref, s_ref = quantize_rows_fp8(x)
     kept = valid >= 0

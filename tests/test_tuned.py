@@ -158,20 +158,20 @@ def test_configs_take_a_fitting_entry_and_fall_back_to_the_heuristics_otherwise(
         assert cfg1.num_stages == expected and cfg2 == base2
 
 
-def test_the_tuners_256_row_candidates_beside_the_prefill_kernel(monkeypatch):
+def test_the_tuners_height_candidates_beside_the_prefill_kernel(monkeypatch):
     """W4A8 at T=8192 (the kernel choice stubbed, as the CPU picks no Gluon kernel): on the reference shape GEMM1 runs
-    the prefill kernel and GEMM2 the small-tile one, whose 256-row candidate is GEMM1's tiles only (GEMM2 on the
-    pack's 128-row halves); where both GEMMs run the prefill kernel (gpt-oss-20b) either or both take 256-row tiles.
-    Every candidate is one config on one pack, and exactly one is the heuristics' kind (the tuner skips it)."""
+    the prefill kernel and GEMM2 the small-tile one, whose 256-row candidate is GEMM1's tiles only (the launcher gives
+    GEMM2 the pack's 128-row halves; the height on both GEMMs is no config); where both GEMMs run the prefill kernel
+    (gpt-oss-20b) both take it. At both, 256-row tiles are the heuristics' own kind, 128-row ones another."""
     from types import SimpleNamespace
 
     from mxmoe._details import launch, tuned
     from mxmoe._details.config import overrides, pack_shape
-    from mxmoe.tune import _height_candidates
+    from mxmoe.tune import _height_candidate
 
     monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
-    for (E, H, I, top_k, T), gemm2_kernel, count in (((288, 4096, 1024, 8, 8192), "gluon_small", 1),
-                                                     ((32, 2880, 2880, 4, 8192), "gluon_ws8", 3)):
+    for (E, H, I, top_k, T), gemm2_kernel in (((288, 4096, 1024, 8, 8192), "gluon_small"),
+                                              ((32, 2880, 2880, 4, 8192), "gluon_ws8")):
         x = SimpleNamespace(device=SimpleNamespace(type="cuda"), data_ptr=lambda: 0, stride=lambda d: H, shape=(T, H))
         experts = SimpleNamespace(num_experts=E, hidden_size=H, intermediate_size=I)
         monkeypatch.setattr(launch, "kernel_choice",
@@ -179,17 +179,16 @@ def test_the_tuners_256_row_candidates_beside_the_prefill_kernel(monkeypatch):
         with overrides_off():
             base = launch._configs(x, experts, top_k, T * top_k, True)
         assert (base[0].kernel, base[1].kernel) == ("gluon_ws8", gemm2_kernel)
-        candidates = _height_candidates(256, *base)
-        assert len(candidates) == count
-        kinds = []
-        for g1, g2 in candidates:
+        kinds = {}
+        for bt in (128, 256):
+            g1, g2 = _height_candidate(bt, *base)
             with overrides(tuned=False, gemm1=g1, gemm2=g2):
                 cfg1, cfg2 = launch._configs(x, experts, top_k, T * top_k, True)
-            assert pack_shape(cfg1) == pack_shape(cfg2) == (256, 0)
-            assert all(cfg.block_rows == 256 and cfg.block_m == 128 or cfg.block_rows * cfg.sub_tiles == 256
-                       for cfg in (cfg1, cfg2))
-            kinds.append((tuned.kind(cfg1), tuned.kind(cfg2)))
-        assert kinds.count((tuned.kind(base[0]), tuned.kind(base[1]))) == 1 and len(set(kinds)) == count
+            assert pack_shape(cfg1) == pack_shape(cfg2) == (bt, 0)
+            kinds[bt] = (tuned.kind(cfg1), tuned.kind(cfg2))
+        assert (cfg1.block_rows, cfg1.block_m) == (256, 128)
+        assert (cfg2.block_rows, cfg2.sub_tiles) == ((128, 2) if gemm2_kernel == "gluon_small" else (256, 1))
+        assert kinds[256] == (tuned.kind(base[0]), tuned.kind(base[1])) != kinds[128]
         if gemm2_kernel == "gluon_small":
             with overrides(tuned=False, gemm1=dict(block_rows=256), gemm2=dict(block_rows=256)), \
                     pytest.raises(ValueError):

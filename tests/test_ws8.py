@@ -172,8 +172,9 @@ def test_a_small_tile_gemm_takes_the_prefill_kernels_route_tiles(monkeypatch):
     ((288, 4096, 1024, 8), 4096, (False, False)),   # 114 rows per expert: no 256-row packs
     ((288, 4096, 1024, 8), 8192, (True, False)),    # GEMM1 at 0.93 per slot, the same slots; GEMM2 small, in halves
     ((128, 2880, 2880, 4), 4096, (False, False)),
-    ((128, 2880, 2880, 4), 8192, (False, True)),    # GEMM2 at 0.79 per slot pays for 20 % more slots
-    ((32, 2880, 2880, 4), 2048, (False, True)),
+    ((128, 2880, 2880, 4), 5120, (True, True)),     # 160 rows per expert: one 256-row tile or two 128-row ones
+    ((128, 2880, 2880, 4), 8192, (False, False)),   # 256 +- 16 rows: 20 % more slots than 128-row tiles
+    ((32, 2880, 2880, 4), 8192, (True, True)),
     ((256, 7168, 2048, 8), 8192, (False, False)),   # GEMM1's K past 4096: 64-row tiles
 ])
 def test_tall_route_tiles_where_their_expected_cost_is_lower(shape, tokens, expected):
@@ -186,7 +187,7 @@ def test_tall_route_tiles_where_their_expected_cost_is_lower(shape, tokens, expe
 
 @pytest.mark.parametrize("shape,tokens,tiles", [
     ((288, 4096, 1024, 8), 8192, ((256, 1, 128), (128, 2, 64))),    # GEMM2 the small kernel on the halves
-    ((32, 2880, 2880, 4), 8192, ((128, 2, 256), (256, 1, 128))),    # GEMM1 on the prefill kernel's halves
+    ((32, 2880, 2880, 4), 8192, ((256, 1, 128), (256, 1, 128))),
     ((128, 2880, 2880, 4), 4096, ((128, 1, 256), (128, 1, 256))),
 ])
 def test_both_gemms_on_one_pack_with_256_row_tiles(monkeypatch, shape, tokens, tiles):

@@ -562,30 +562,26 @@ def tiles_beside(ws8: GemmConfig) -> dict:
 
 # W4A8 prefill on 256-row route tiles (one m-tile per warpgroup) against 128-row tiles (two): each GEMM's time per
 # pack slot, by (GEMM1, K % 128 == 0), H100, perf-notes step 58: the reference shape's GEMM1 0.91-0.94; gpt-oss's
-# (K = 2880) GEMM2 0.76-0.80, GEMM1 0.94-1.01 (taken as 1: no gain); unmeasured: 1
-WS8_TALL_SLOT_COST = {(True, True): 0.93, (True, False): 1.0, (False, False): 0.79, (False, True): 1.0}
+# (K = 2880) GEMM1 0.94-1.01, GEMM2 0.76-0.80; unmeasured: 1
+WS8_TALL_SLOT_COST = {(True, True): 0.93, (True, False): 0.96, (False, False): 0.79, (False, True): 1.0}
 SMALL_SUB_TILE_COST = 1.03  # the small-tile kernel on a 256-row pack's 128-row halves against a 128-row pack (step 58)
 
 
 def w4a8_tall_tiles(rows: int, num_experts: int, hidden: int, inter: int, kernels: tuple) -> tuple[bool, bool]:
-    """Which W4A8 GEMMs (GEMM1, GEMM2) take 256-row route tiles on the prefill kernel (``kernels``: each GEMM's
-    :func:`kernel_choice`), the other one then the pack's 128-row halves (:func:`tiles_beside`): where experts average
-    more than ``WIDE_FROM`` rows (a workspace holds 256-row packs there) and, under uniform routing's expected slots
-    per expert (``_tiles_per_expert``), the GEMMs' costs (MACs per row: GEMM1 2, GEMM2 1; ``WS8_TALL_SLOT_COST``,
-    ``SMALL_SUB_TILE_COST``) come out lower than on 128-row tiles."""
-    ks = (hidden, inter)
-    ws8 = [kernel == "gluon_ws8" for kernel in kernels]
+    """Which W4A8 GEMMs (GEMM1, GEMM2) take 256-row route tiles (``kernels``: each GEMM's :func:`kernel_choice`):
+    every one on the prefill kernel, a small-tile GEMM beside them on the pack's 128-row halves
+    (:func:`tiles_beside`), where experts average more than ``WIDE_FROM`` rows (a workspace holds 256-row packs there)
+    and, under uniform routing's expected slots per expert (``_tiles_per_expert``), the two GEMMs' costs (MACs per
+    row: GEMM1 2, GEMM2 1; ``WS8_TALL_SLOT_COST``, ``SMALL_SUB_TILE_COST``) come out lower than on 128-row tiles.
+    (The prefill kernel on the halves, ``sub_tiles=2``, has not run on a GPU yet: overrides only.)"""
+    ks, ws8 = (hidden, inter), tuple(kernel == "gluon_ws8" for kernel in kernels)
     if rows <= WIDE_FROM * num_experts or not any(ws8) or max(k for k, w in zip(ks, ws8) if w) > WS8_MAX_CHAIN_K:
         return False, False  # (past it the prefill kernel's chains need 64-row tiles)
     spread = _row_spread(rows, num_experts)
     short, tall = 128 * _tiles_per_expert(spread, 128), 256 * _tiles_per_expert(spread, 256)
-    cost, picks = 0.0, []
-    for gemm1, on_ws8, k, macs in zip((True, False), ws8, ks, (2, 1)):
-        halves = short * (1.0 if on_ws8 else SMALL_SUB_TILE_COST)
-        whole = tall * WS8_TALL_SLOT_COST[gemm1, k % 128 == 0] if on_ws8 else halves
-        picks.append(whole < halves)
-        cost += macs * min(whole, halves)
-    return tuple(picks) if any(picks) and cost < 3 * short else (False, False)
+    cost = sum(macs * (tall * WS8_TALL_SLOT_COST[gemm1, k % 128 == 0] if w else short * SMALL_SUB_TILE_COST)
+               for gemm1, w, k, macs in zip((True, False), ws8, ks, (2, 1)))
+    return ws8 if cost < 3 * short else (False, False)
 
 
 def ws8_m_tiles(cfg: GemmConfig) -> int:

@@ -6,15 +6,15 @@ from .convert import fp32_to_e4m3_rne, slot_k, store_rounded
 
 
 @triton.jit
-def _slot_values(x_rows, live, k0, K, BLOCK_K: tl.constexpr):
-    """Slots ``k0 ..`` of rows ``x_rows`` [ROWS, 1] (consecutive per thread: its stores are whole 16-B pieces) and the
-    FP32 x value each holds (``convert.slot_k``: the loads stay inside one 16-K half)."""
-    slots = k0 + tl.arange(0, BLOCK_K)[None, :]
-    return slots, tl.load(x_rows + slot_k(slots), mask=live & (slots < K), other=0.0).to(tl.float32)
+def _slot_values(x_row, k0, K, BLOCK_K: tl.constexpr):
+    """Slots ``k0 ..`` of a row (consecutive per thread: its stores are whole 16-B pieces) and the FP32 x value each
+    holds (``convert.slot_k``: the loads stay inside one 16-K half)."""
+    slots = k0 + tl.arange(0, BLOCK_K)
+    return slots, tl.load(x_row + slot_k(slots), mask=slots < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_quantized(q_rows, live, slots, x, scale, K, PURE: tl.constexpr):
+def _store_quantized(q_row, slots, x, scale, K, PURE: tl.constexpr):
     safe = tl.where(scale > 0, scale, 1.0)
     v = tl.where(scale > 0, tl.math.div_rn(x, safe), 0.0)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
@@ -22,43 +22,38 @@ def _store_quantized(q_rows, live, slots, x, scale, K, PURE: tl.constexpr):
         q = fp32_to_e4m3_rne(v).to(tl.float8e4nv, bitcast=True)
     else:
         q = v.to(tl.float8e4nv)
-    tl.store(q_rows + slots, q, mask=live & (slots < K))
+    tl.store(q_row + slots, q, mask=slots < K)
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_ptr, M, K,
-                         CHECK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, PURE: tl.constexpr):
+def quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, row_valid_ptr, K,
+                         CHECK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PURE: tl.constexpr):
     """q[row] = RNE(x[row] / s) saturated to +-448 as E4M3, s = amax(|x[row]|) / 448 (0 for a zero row),
-    each K32 block stored in the W4A8 kernels' slot order (``prepare.e4m3_slot_order``; K % 32 == 0), for the ``M``
-    rows, ``ROWS`` per program. A row of at most ``BLOCK_K`` values is read once (the amax of its slot-ordered
-    values), a longer one twice.
+    each K32 block stored in the W4A8 kernels' slot order (``prepare.e4m3_slot_order``; K % 32 == 0). A row of at most
+    ``BLOCK_K`` values is read once (the amax of its slot-ordered values), a longer one twice.
 
-    With ``CHECK_ROWS`` rows whose ``row_valid`` entry is negative (route-pack padding) are skipped, and a program
-    whose rows are all padding returns at once.
+    With ``CHECK_ROWS`` rows whose ``row_valid`` entry is negative (route-pack padding) are skipped.
     """
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = rows < M
+    row = tl.program_id(0)
     if CHECK_ROWS:
-        live &= tl.load(row_valid_ptr + rows, mask=live, other=-1) >= 0
-        if tl.max(live.to(tl.int32), axis=0) == 0:
+        if tl.load(row_valid_ptr + row) < 0:
             return
-    live = live[:, None]
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-    q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_q
-    amax = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    q_row = q_ptr + row.to(tl.int64) * stride_q
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     if K <= BLOCK_K:
-        slots, x = _slot_values(x_rows, live, 0, K, BLOCK_K)
-        scale = tl.max(tl.maximum(amax, tl.abs(x)), axis=1) / 448.0
-        _store_quantized(q_rows, live, slots, x, scale[:, None], K, PURE)
+        slots, x = _slot_values(x_row, 0, K, BLOCK_K)
+        scale = tl.max(tl.maximum(amax, tl.abs(x)), axis=0) / 448.0
+        _store_quantized(q_row, slots, x, scale, K, PURE)
     else:
         for k0 in range(0, K, BLOCK_K):
-            offs = k0 + tl.arange(0, BLOCK_K)[None, :]
-            amax = tl.maximum(amax, tl.abs(tl.load(x_rows + offs, mask=live & (offs < K), other=0.0).to(tl.float32)))
-        scale = tl.max(amax, axis=1) / 448.0
+            offs = k0 + tl.arange(0, BLOCK_K)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        scale = tl.max(amax, axis=0) / 448.0
         for k0 in range(0, K, BLOCK_K):
-            slots, x = _slot_values(x_rows, live, k0, K, BLOCK_K)
-            _store_quantized(q_rows, live, slots, x, scale[:, None], K, PURE)
-    tl.store(scale_ptr + rows, scale, mask=live.reshape(ROWS))
+            slots, x = _slot_values(x_row, k0, K, BLOCK_K)
+            _store_quantized(q_row, slots, x, scale, K, PURE)
+    tl.store(scale_ptr + row, scale)
 
 
 @triton.jit

@@ -171,16 +171,12 @@ def _libcuda():
         return None
 
 
-def _quantize_rows(x, q, scale, row_valid=None, rows_per_program: int = 0) -> KernelLaunch:
-    """The row quantizer's launch: rows of up to 1024 K four per program (``rows_per_program``: 0 for that; a route
-    pack's padding rows then cost a quarter of the programs: perf-notes step 58), longer ones one each."""
-    M, K = x.shape
-    block_k = min(next_pow2(K), 4096)
-    rows = rows_per_program or min(max(4096 // block_k, 1), 4)
-    return KernelLaunch(quantize_rows_kernel, (cdiv(M, rows),),
-                        (x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale, M, K),
-                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=block_k, ROWS=rows, PURE=interpreting(),
-                             num_warps=4))
+def _quantize_rows(x, q, scale, row_valid=None) -> KernelLaunch:
+    K = x.shape[1]
+    return KernelLaunch(quantize_rows_kernel, (x.shape[0],),
+                        (x, x.stride(0), q, q.stride(0), scale, row_valid if row_valid is not None else scale, K),
+                        dict(CHECK_ROWS=row_valid is not None, BLOCK_K=min(next_pow2(K), 4096),
+                             PURE=interpreting(), num_warps=4))
 
 
 def gemm1_rows(x, experts: PreparedExperts, topk_weights, topk_ids, plan: LayerPlan, expert_map=None) -> torch.Tensor:

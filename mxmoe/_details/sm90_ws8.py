@@ -33,7 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .sm90_operands import (_e4m3_addends, _e4m3_operands, _fp8_chain, _fp8_wait, _fragment_bytes,
                             _fragment_bytes_layout, _pow2, _scale_word_rows, _small_mma_layout)
 from .sm90_pipeline import (_async_load, _epilogue, _gate_up_apart, _gate_up_layout, _gate_up_rows, _joined_layout,
-                            _launch_dependents, _origin, _packed_layout, _reinterpret, _step_offset, _tile_routes,
+                            _launch_dependents, _origin, _packed_layout, _reinterpret, _step_offset, _tile_origin,
+                            _tile_routes,
                             _wait_for_previous_kernel, _weight_pointers)
 
 BM = gl.constexpr(64)  # rows of one m-tile (wgmma's M per warpgroup)
@@ -96,18 +97,21 @@ def _has_tile(fold_ptr, tile_expert_ptr, routes_ptr, tile, n_blocks, BT: gl.cons
     """Whether ``tile`` runs here: its expert's scales fold (the others take the exact unfolded kernel) and (``SUB`` >
     1) its sub-tile holds a route (an expert's rows fill its pack tiles from the first slot)."""
     t = tile // n_blocks
-    run = gl.load(fold_ptr + gl.load(tile_expert_ptr + t // SUB)) != 0
-    if SUB > 1:
-        run = run & (gl.load(routes_ptr + t * BT) >= 0)
-    return run
+    if SUB == 1:
+        return gl.load(fold_ptr + gl.load(tile_expert_ptr + t)) != 0
+    else:
+        return (gl.load(fold_ptr + gl.load(tile_expert_ptr + t // SUB)) != 0) & (gl.load(routes_ptr + t * BT) >= 0)
 
 
 @gluon.jit
 def _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr):
     """(expert, first output column, first weight row, first pack slot) of ``tile``: column block ``tile %
     n_blocks`` of route tile ``tile // n_blocks``, the ``SUB`` BT-row sub-tiles of a pack tile one after another."""
-    t = tile // n_blocks
-    return _origin(gl.load(tile_expert_ptr + t // SUB).to(gl.int64), t, tile % n_blocks, N, 1, COLS, BT)
+    if SUB == 1:
+        return _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
+    else:
+        t = tile // n_blocks
+        return _origin(gl.load(tile_expert_ptr + t // SUB).to(gl.int64), t, tile % n_blocks, N, 1, COLS, BT)
 
 
 # --------------------------------------------------------------------------------------------------------- producer
