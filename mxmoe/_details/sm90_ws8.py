@@ -7,7 +7,9 @@ a producer warpgroup and two consumer warpgroups.
   (no exchange before the activation), 128 output columns per program; GEMM2: 128 consecutive rows per warpgroup.
   ``M_TILES`` = 1: 128 weight rows per program, BT up to 256 (at 256 half the conversions per MAC); GEMM1: a
   warpgroup's m-tile holds the gate and up rows of 32 output columns in 8-row slabs (``_gate_up_rows``: a thread
-  again holds both sums of its outputs), 64 columns per program; GEMM2: 64 rows per warpgroup.
+  again holds both sums of its outputs), 64 columns per program; GEMM2: 64 rows per warpgroup. ``SUB_TILES`` = 2: a
+  pack of 256-row tiles read as 128-row halves, one after another (a half without a route is skipped; beside the
+  other GEMM's 256-row tiles).
 - Producer (4 warps, ``PRODUCER_REGS`` registers): per stage ``cp.async`` of the 2 ``M_TILES`` 64-row blocks' packed
   E2M1 bytes (each one contiguous piece of the prepared row blocks) and of the gathered FP8 activation rows (GEMM1:
   each route's token row of x; GEMM2: the slot's intermediate row) into a ring of ``NUM_STAGES``; every producer thread
@@ -17,7 +19,8 @@ a producer warpgroup and two consumer warpgroups.
   exactly its register-operand bytes, converts them through the E4M3 byte table with the block's scale folded
   (``sm90_operands._e4m3_operands``) and issues one async FP8 wgmma per K32 block on the stage's activations; the
   conversion of m-tile 1 runs while m-tile 0's MMAs do, and the other warpgroup's MMAs keep the tensor core busy while
-  one converts. A stage is released (``consumed``, one arrival per warpgroup) once its m-tiles' MMAs completed. The FP8
+  one converts. Each step's scale words are loaded ``SCALE_AHEAD`` (1 or 2) steps before their use. A stage is
+  released (``consumed``, one arrival per warpgroup) once its m-tiles' MMAs completed. The FP8
   accumulator chains over the whole K (SPEC §5 allows 4096 K); ``PROMOTE`` = P > 0 cuts the chains at every P steps,
   each chain's sums added to FP32 registers (the tests' 1024-K chains; registers for both only at ``M_TILES`` x
   ``BT`` <= 128). Then the tile's epilogue (``sm90_pipeline._epilogue``).
