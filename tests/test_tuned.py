@@ -158,6 +158,29 @@ def test_configs_take_a_fitting_entry_and_fall_back_to_the_heuristics_otherwise(
         assert cfg1.num_stages == expected and cfg2 == base2
 
 
+def test_an_entry_on_the_heuristics_256_row_tiles_keeps_them(monkeypatch):
+    """W4A8 at the reference shape's T=8192, where the heuristics put GEMM1 on 256-row tiles (the kernel choice
+    stubbed): an entry measured there with other fields keeps those tiles; one that sets the tiles has its own."""
+    from types import SimpleNamespace
+
+    from mxmoe._details import launch
+
+    E, H, I, top_k, T = 288, 4096, 1024, 8, 8192
+    x = SimpleNamespace(device=SimpleNamespace(type="cuda"), data_ptr=lambda: 0, stride=lambda d: H, shape=(T, H))
+    experts = SimpleNamespace(num_experts=E, hidden_size=H, intermediate_size=I)
+    monkeypatch.setattr(launch, "kernel_choice", lambda *a, k=0, **kw: "gluon_ws8" if k == H else "gluon_small")
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    with overrides_off():
+        base1, base2 = launch._configs(x, experts, top_k, T * top_k, True)
+    assert (base1.block_rows, base2.block_rows, base2.sub_tiles) == (256, 128, 2)
+    kinds = (tuned.kind(base1), tuned.kind(base2))
+    for fields, rows in (({"num_stages": 3}, 256), ({"block_rows": 128}, 128)):
+        monkeypatch.setattr(tuned, "lookup", lambda *a, _e=tuned.Entry(fields, {}, kinds), **k: _e)
+        cfg1, cfg2 = launch._configs(x, experts, top_k, T * top_k, True)
+        assert cfg1.block_rows == rows and cfg2.block_rows * cfg2.sub_tiles == rows
+        assert cfg1.num_stages == fields.get("num_stages", cfg1.num_stages)
+
+
 def test_the_tuners_height_candidates_beside_the_prefill_kernel(monkeypatch):
     """W4A8 at T=8192 (the kernel choice stubbed, as the CPU picks no Gluon kernel): on the reference shape GEMM1 runs
     the prefill kernel and GEMM2 the small-tile one, whose 256-row candidate is GEMM1's tiles only (the launcher gives

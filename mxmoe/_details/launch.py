@@ -231,6 +231,10 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
         return gemm_config(routes, E, H, I, fp8, {**fields, **changes.gemm2}, kernels[1], gemm1=False, sm_count=sms)
 
     def build(table1: dict, table2: dict) -> tuple[GemmConfig, GemmConfig]:
+        if fp8 and not any(f in fields for fields in (table1, table2, changes.gemm1, changes.gemm2)
+                           for f in ("block_rows", "sub_tiles")):  # (tiles set by a table or overrides: theirs)
+            tall = w4a8_tall_tiles(routes, E, H, I, kernels)
+            table1, table2 = ({"block_rows": 256, **t} if high else t for t, high in zip((table1, table2), tall))
         cfg1, cfg2 = config(True, table1), config(False, table2)
         # the other GEMM on the pack of the W4A8 kernel's 256-row tiles, or of its tiles beside a small-tile GEMM
         ws8 = [cfg for cfg in (cfg1, cfg2) if cfg.kernel == "gluon_ws8"]
@@ -245,10 +249,7 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
                              f"{pack_shape(cfg2)} (slots, extra rows) differ; set both GEMMs' block_rows")
         return cfg1, cfg2
 
-    tall = (False, False)
-    if fp8 and not any(f in gemm for gemm in (changes.gemm1, changes.gemm2) for f in ("block_rows", "sub_tiles")):
-        tall = w4a8_tall_tiles(routes, E, H, I, kernels)  # (overrides of the tiles: theirs alone)
-    untuned = build(*({"block_rows": 256} if t else {} for t in tall))
+    untuned = build({}, {})
     if changes.tuned and x.device.type == "cuda" and "gluon" in kernels[0] and "gluon" in kernels[1]:
         entry = tuned.lookup(x.device, (E, H, I, top_k), "w4a8" if fp8 else "w4a16", x.shape[0])
         heights = pack_tile_heights(routes, E)  # (a workspace's)
