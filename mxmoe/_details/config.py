@@ -567,6 +567,7 @@ WS8_TALL_SLOT_COST = {(True, True): 0.93, (True, False): 0.96, (False, False): 0
 SMALL_SUB_TILE_COST = 1.03  # the small-tile kernel on a 256-row pack's 128-row halves against a 128-row pack (step 58)
 
 
+@functools.lru_cache(maxsize=1024)  # (off a launch plan every call asks: ~0.3 ms of Python uncached)
 def w4a8_tall_tiles(rows: int, num_experts: int, hidden: int, inter: int, kernels: tuple) -> tuple[bool, bool]:
     """Which W4A8 GEMMs (GEMM1, GEMM2) take 256-row route tiles (``kernels``: each GEMM's :func:`kernel_choice`):
     every one on the prefill kernel, a small-tile GEMM beside them on the pack's 128-row halves
@@ -591,9 +592,10 @@ def ws8_m_tiles(cfg: GemmConfig) -> int:
 
 def _ws8_config(rows, num_experts, n, k, override: dict) -> GemmConfig:
     """The W4A8 prefill kernel (``sm90_ws8``): 128-row route tiles where experts average more than 64 rows, else 64
-    (256-row tiles, one m-tile per warpgroup, by override or a tuned table: perf-notes step 57); as many 128-K stages
-    as fit 192 KB of shared memory (block_m x 64 B of weights and BT x 128 B of activations each); FP8 chains over all
-    of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168) chains of that length on 64-row tiles."""
+    (256-row tiles, one m-tile per warpgroup, where :func:`w4a8_tall_tiles` picks them, or by override or a tuned
+    table: perf-notes steps 57-58); as many 128-K stages as fit 192 KB of shared memory (block_m x 64 B of weights
+    and BT x 128 B of activations each); FP8 chains over all of K up to ``WS8_MAX_CHAIN_K``, past it (H = 7168)
+    chains of that length on 64-row tiles."""
     bt, promote = (128 if tile_rows_for(rows, num_experts) >= 128 else 64), 0
     if k > WS8_MAX_CHAIN_K:
         bt, promote = 64, WS8_MAX_CHAIN_K // 128

@@ -100,7 +100,7 @@ def _has_tile(fold_ptr, tile_expert_ptr, routes_ptr, tile, n_blocks, BT: gl.cons
     """Whether ``tile`` runs here: its expert's scales fold (the others take the exact unfolded kernel) and (``SUB`` >
     1) its sub-tile holds a route (an expert's rows fill its pack tiles from the first slot)."""
     t = tile // n_blocks
-    if SUB == 1:
+    if SUB == 1:  # (apart: the one form as written compiles the default to other SASS than the GPU-tested one)
         return gl.load(fold_ptr + gl.load(tile_expert_ptr + t)) != 0
     else:
         return (gl.load(fold_ptr + gl.load(tile_expert_ptr + t // SUB)) != 0) & (gl.load(routes_ptr + t * BT) >= 0)
@@ -110,7 +110,7 @@ def _has_tile(fold_ptr, tile_expert_ptr, routes_ptr, tile, n_blocks, BT: gl.cons
 def _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr):
     """(expert, first output column, first weight row, first pack slot) of ``tile``: column block ``tile %
     n_blocks`` of route tile ``tile // n_blocks``, the ``SUB`` BT-row sub-tiles of a pack tile one after another."""
-    if SUB == 1:
+    if SUB == 1:  # (apart, as in ``_has_tile``)
         return _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
     else:
         t = tile // n_blocks
@@ -314,9 +314,7 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                     nxt0, nxt1 = far0, far1
                     far0, far1 = _scale_ring(src0, src1, i + 2, num_full, SCALE_WORDS, NB, MT)
                 elif i + 1 < num_full:  # the next step's scale bytes, in flight through this one
-                    nxt0 = _scale_load(src0, i + 1, SCALE_WORDS, NB)
-                    if MT == 2:
-                        nxt1 = _scale_load(src1, i + 1, SCALE_WORDS, NB)
+                    nxt0, nxt1 = _scale_ring(src0, src1, i + 1, num_full, SCALE_WORDS, NB, MT)
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = i % PROMOTE != 0  # (False: a chain starts from zero)
