@@ -37,8 +37,7 @@ def test_config_route_tiles_stages_and_chains():
 @pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64),
                                  dict(block_m=256, block_rows=256), dict(block_m=64),
                                  dict(block_m=128, block_rows=256, promote=8), dict(block_rows=64, sub_tiles=2),
-                                 dict(block_m=128, block_rows=256, sub_tiles=2), dict(sub_tiles=4),
-                                 dict(scale_ahead=3)])
+                                 dict(block_m=128, block_rows=256, sub_tiles=2), dict(sub_tiles=4)])
 def test_config_refuses_what_the_kernel_cannot_run(bad):
     with pytest.raises(ValueError):
         gemm_config(65536, 288, 1024, 4096, True, dict(WS8, **bad), gemm1=True)
@@ -105,7 +104,9 @@ def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
                        (small_64, dict(WS8, block_m=128, block_rows=128, promote=8)),  # one m-tile per warpgroup
                        (small_128, dict(WS8, block_m=128, block_rows=256)),
                        (small_128, dict(WS8, block_rows=128, sub_tiles=2)),  # a 256-row pack's 128-row halves
-                       (small_128, dict(WS8, block_rows=128, scale_ahead=2)),
+                       (small_128, dict(WS8, block_rows=128, pingpong=True)),  # MMAs issued in turns
+                       (small_128, dict(WS8, block_m=128, block_rows=256, pingpong=True)),
+                       (small_64, dict(WS8, block_m=128, block_rows=128, promote=8, pingpong=True)),
                        (small_128, dict(gemm1=dict(WS8, block_rows=128, sub_tiles=2), gemm2=dict(WS8, block_rows=256)))):
         want = _call(ex, x, w, ids, small)
         got = _call(ex, x, w, ids, new)

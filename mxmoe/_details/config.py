@@ -48,7 +48,7 @@ class GemmConfig:
     maxnreg: int = 0  # gluon: registers per thread (0: Triton's default); the partitions' budgets below
     loader_regs: int = 64  # "gluon_ws8": the producer's and each consumer warpgroup's registers per thread
     converter_regs: int = 224  # (128 x 64 + 2 x 128 x 224 = 64 K)
-    scale_ahead: int = 1  # "gluon_ws8": K steps ahead of their use each consumer loads its scale words (1 or 2)
+    pingpong: bool = False  # "gluon_ws8": the consumer warpgroups issue each step's MMAs in strict turns
     scale_words: bool = False  # gluon_small: scale bytes in 32-bit loads, 4/(block_k/32) steps each (K % 128 == 0);
     # without it 16-bit loads (K % 128 == 64, gpt-oss's 2880; block_k up to 64), both kernels (``scale_bytes``)
     k_split: int = 1  # gluon_small: 2 = a second warpgroup runs the second half of the K steps (decode)
@@ -81,8 +81,6 @@ class GemmConfig:
                                  "block_m 128 or 256")
             if self.block_rows not in ((64, 128) if self.block_m == 256 else (64, 128, 256)):
                 raise ValueError("the W4A8 prefill kernel takes 64- or 128-row route tiles, 256 at block_m=128")
-            if self.scale_ahead not in (1, 2):
-                raise ValueError("the W4A8 prefill kernel loads its scale words 1 or 2 K steps ahead")
             if self.sub_tiles not in (1, 2) or (self.sub_tiles == 2 and self.block_rows != 128):
                 raise ValueError("the W4A8 prefill kernel takes a 256-row pack's tiles whole or in two 128-row "
                                  "sub-tiles (sub_tiles=2 at block_rows=128)")

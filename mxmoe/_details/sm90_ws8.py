@@ -19,7 +19,8 @@ a producer warpgroup and two consumer warpgroups.
   exactly its register-operand bytes, converts them through the E4M3 byte table with the block's scale folded
   (``sm90_operands._e4m3_operands``) and issues one async FP8 wgmma per K32 block on the stage's activations; the
   conversion of m-tile 1 runs while m-tile 0's MMAs do, and the other warpgroup's MMAs keep the tensor core busy while
-  one converts. Each step's scale words are loaded ``SCALE_AHEAD`` (1 or 2) steps before their use. A stage is
+  one converts (``PINGPONG``: in strict turns, step by step). Each step's scale words are loaded a step before their
+  use. A stage is
   released (``consumed``, one arrival per warpgroup) once its m-tiles' MMAs completed. The FP8
   accumulator chains over the whole K (SPEC §5 allows 4096 K); ``PROMOTE`` = P > 0 cuts the chains at every P steps,
   each chain's sums added to FP32 registers (the tests' 1024-K chains; registers for both only at ``M_TILES`` x
@@ -249,19 +250,31 @@ def _stage_ready(loaded, c, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_step(packed, act, consumed, s, acc0, acc1, sc0, sc1, lo0, hi0, lo1, hi1, WG: gl.constexpr,
-                   BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr, DOT: gl.constexpr, MT: gl.constexpr, use_acc):
-    """Ring slot ``s`` (``KB`` K of it, its copies landed: ``_stage_ready``): m-tile 0 converted and its MMAs issued,
-    (``MT`` = 2) m-tile 1 converted while they run and its MMAs issued; then wait for all and release the slot. (MMAs
-    left in flight across the K loop's iterations make ptxas serialize every wgmma, C7512, for want of registers: the
-    other warpgroup's MMAs fill the tensor core while this one converts.)"""
+def _consumer_step(packed, act, consumed, turn, s, c, acc0, acc1, sc0, sc1, lo0, hi0, lo1, hi1, WG: gl.constexpr,
+                   BK: gl.constexpr, U: gl.constexpr, KB: gl.constexpr, DOT: gl.constexpr, MT: gl.constexpr,
+                   PINGPONG: gl.constexpr, use_acc):
+    """Ring slot ``s`` (``KB`` K of it, its copies landed: ``_stage_ready``; ring step ``c``): m-tile 0 converted and its
+    MMAs issued, (``MT`` = 2) m-tile 1 converted while they run and its MMAs issued; then wait for all and release the
+    slot. (MMAs left in flight across the K loop's iterations make ptxas serialize every wgmma, C7512, for want of
+    registers: the other warpgroup's MMAs fill the tensor core while this one converts.) ``PINGPONG``: the step's
+    operands all converted first, then the MMAs issued in turns, warpgroup 0's of step c before 1's, 1's before 0's of
+    step c + 1 (``turn``), so that one warpgroup converts while the other's MMAs run."""
     NBS: gl.constexpr = KB // 32
     act_s = act.index(s)  # (the tail step's MMAs read its first KB columns)
     ops0 = _stage_ops(packed, s, MT * WG, sc0, lo0, hi0, BK, U, KB, DOT, MT)
-    acc0 = _fp8_chain(ops0, act_s, acc0, NBS, use_acc)
-    if MT == 2:
-        ops1 = _stage_ops(packed, s, 2 * WG + 1, sc1, lo1, hi1, BK, U, KB, DOT, MT)
-        acc1 = _fp8_chain(ops1, act_s, acc1, NBS, use_acc)
+    if PINGPONG:
+        if MT == 2:
+            ops1 = _stage_ops(packed, s, 2 * WG + 1, sc1, lo1, hi1, BK, U, KB, DOT, MT)
+        mbarrier.wait(turn.index(WG), (c + 1 - WG) & 1)  # (warpgroup 0's first wait passes on the fresh barrier)
+        acc0 = _fp8_chain(ops0, act_s, acc0, NBS, use_acc)
+        if MT == 2:
+            acc1 = _fp8_chain(ops1, act_s, acc1, NBS, use_acc)
+        mbarrier.arrive(turn.index(1 - WG))
+    else:
+        acc0 = _fp8_chain(ops0, act_s, acc0, NBS, use_acc)
+        if MT == 2:
+            ops1 = _stage_ops(packed, s, 2 * WG + 1, sc1, lo1, hi1, BK, U, KB, DOT, MT)
+            acc1 = _fp8_chain(ops1, act_s, acc1, NBS, use_acc)
     acc0, acc1 = _fp8_wait(acc0, acc1, MT)
     mbarrier.arrive(consumed.index(s))
     return acc0, acc1
@@ -270,10 +283,10 @@ def _consumer_step(packed, act, consumed, s, acc0, acc1, sc0, sc1, lo0, hi0, lo1
 @gluon.jit
 def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, tile_expert_ptr, fold_ptr, out_ptr,
               stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k, limit, alpha, num_full,
-              packed, act, loaded, consumed, GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
+              packed, act, loaded, consumed, turn, GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
               HAS_GSCALE: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
               U: gl.constexpr, K_TAIL: gl.constexpr, PROMOTE: gl.constexpr, OUT_I64: gl.constexpr, MT: gl.constexpr,
-              SUB: gl.constexpr, SCALE_AHEAD: gl.constexpr, WG: gl.constexpr):
+              SUB: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: its ``MT`` m-tiles of every tile the program walks (module docstring)."""
     _wait_for_previous_kernel()  # (the activations' scales, the route pack)
     NB: gl.constexpr = BK // 32
@@ -303,23 +316,17 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
             tot0 = zero  # PROMOTE: the FP32 sums of the chains done
             tot1 = zero
             nxt0, nxt1 = _scale_ring(src0, src1, 0, num_full, SCALE_WORDS, NB, MT)
-            far0, far1 = nxt0, nxt1  # (SCALE_AHEAD = 2: step i + 2's, in flight through two steps)
-            if SCALE_AHEAD == 2:
-                far0, far1 = _scale_ring(src0, src1, 1, num_full, SCALE_WORDS, NB, MT)
             for i in range(num_full):
                 s = _stage_ready(loaded, c, NUM_STAGES)
                 cur0 = _scale_unpack(nxt0, SCALE_WORDS, NB, SC)
                 cur1 = _scale_unpack(nxt1, SCALE_WORDS, NB, SC)
-                if SCALE_AHEAD == 2:
-                    nxt0, nxt1 = far0, far1
-                    far0, far1 = _scale_ring(src0, src1, i + 2, num_full, SCALE_WORDS, NB, MT)
-                elif i + 1 < num_full:  # the next step's scale bytes, in flight through this one
+                if i + 1 < num_full:  # the next step's scale bytes, in flight through this one
                     nxt0, nxt1 = _scale_ring(src0, src1, i + 1, num_full, SCALE_WORDS, NB, MT)
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = i % PROMOTE != 0  # (False: a chain starts from zero)
-                acc0, acc1 = _consumer_step(packed, act, consumed, s, acc0, acc1, cur0, cur1, lo0, hi0, lo1, hi1, WG,
-                                            BK, U, BK, DOT, MT, use_acc)
+                acc0, acc1 = _consumer_step(packed, act, consumed, turn, s, c, acc0, acc1, cur0, cur1, lo0, hi0, lo1,
+                                            hi1, WG, BK, U, BK, DOT, MT, PINGPONG, use_acc)
                 if PROMOTE > 0:
                     if ((i + 1) % PROMOTE == 0) & (i + 1 < num_full + STEPS_TAIL):  # (the last chain: below)
                         tot0 += acc0
@@ -341,8 +348,8 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
                 if PROMOTE > 0:
                     use_acc = num_full % PROMOTE != 0
                 s = _stage_ready(loaded, c, NUM_STAGES)
-                acc0, acc1 = _consumer_step(packed, act, consumed, s, acc0, acc1, tail0, tail1, lo0, hi0, lo1, hi1, WG,
-                                            BK, U, K_TAIL, DOT, MT, use_acc)
+                acc0, acc1 = _consumer_step(packed, act, consumed, turn, s, c, acc0, acc1, tail0, tail1, lo0, hi0, lo1,
+                                            hi1, WG, BK, U, K_TAIL, DOT, MT, PINGPONG, use_acc)
                 c += 1
             if PROMOTE > 0:
                 acc0 = tot0 + acc0
@@ -423,7 +430,7 @@ def moe_gemm_ws8_kernel(
     BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, W_UNIT: gl.constexpr, K_TAIL: gl.constexpr,
     PROMOTE: gl.constexpr = 0, OUT_I64: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 64,
     CONSUMER_REGS: gl.constexpr = 224, M_TILES: gl.constexpr = 2, SUB_TILES: gl.constexpr = 1,
-    SCALE_AHEAD: gl.constexpr = 1,
+    PINGPONG: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for W4A8 prefill (module docstring): ``num_warps=4`` (the first consumer
     warpgroup), persistent (a 1-D grid of at most one program per SM walking the (route tile, column block) tiles
@@ -458,17 +465,22 @@ def moe_gemm_ws8_kernel(
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(loaded.index(s), count=32 * 4)
             mbarrier.init(consumed.index(s), count=2)
+        turn = loaded  # (unused without PINGPONG)
+        if PINGPONG:  # whose turn it is to issue its MMAs: one barrier per consumer warpgroup
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for g in gl.static_range(2):
+                mbarrier.init(turn.index(g), count=1)
         gl.warp_specialize([
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
-                         limit, alpha, num_full, packed, act, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
+                         limit, alpha, num_full, packed, act, loaded, consumed, turn, GEMM1, SWIGLUOAI, HAS_BIAS,
                          HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES,
-                         SCALE_AHEAD, 0)),
+                         PINGPONG, 0)),
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
-                         limit, alpha, num_full, packed, act, loaded, consumed, GEMM1, SWIGLUOAI, HAS_BIAS,
+                         limit, alpha, num_full, packed, act, loaded, consumed, turn, GEMM1, SWIGLUOAI, HAS_BIAS,
                          HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES,
-                         SCALE_AHEAD, 1)),
+                         PINGPONG, 1)),
             (_producer, (a_ptr, stride_a, w_ptr, sorted_routes_ptr, tile_expert_ptr, fold_ptr, first, end, stride,
                          n_blocks, N, K, top_k, num_full, packed, act, loaded, consumed, GEMM1, BT, BK, NUM_STAGES,
                          W_UNIT, K_TAIL, M_TILES, SUB_TILES)),
