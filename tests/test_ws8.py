@@ -30,14 +30,12 @@ def test_config_route_tiles_stages_and_chains():
     assert tests.promote == 8
     one = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_m=128, block_rows=256), gemm1=True)
     assert one.num_stages == 4  # one m-tile per warpgroup: 4 x (8 KB of weights + 32 KB of activations)
-    halves = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_rows=128, sub_tiles=2), gemm1=True)
-    assert (halves.block_m, halves.num_stages, halves.sub_tiles) == (256, 6, 2)  # a 256-row pack's 128-row halves
 
 
 @pytest.mark.parametrize("bad", [dict(block_rows=128, promote=8), dict(block_rows=32), dict(block_k=64),
                                  dict(block_m=256, block_rows=256), dict(block_m=64),
-                                 dict(block_m=128, block_rows=256, promote=8), dict(block_rows=64, sub_tiles=2),
-                                 dict(block_m=128, block_rows=256, sub_tiles=2), dict(sub_tiles=4)])
+                                 dict(block_m=128, block_rows=256, promote=8), dict(block_rows=128, sub_tiles=2),
+                                 dict(block_m=128, block_rows=256, sub_tiles=2)])
 def test_config_refuses_what_the_kernel_cannot_run(bad):
     with pytest.raises(ValueError):
         gemm_config(65536, 288, 1024, 4096, True, dict(WS8, **bad), gemm1=True)
@@ -52,8 +50,8 @@ def test_unfolded_experts_take_the_small_tile_kernel_on_the_same_pack():
     exact = unfolded_config(cfg, True, 4096)
     assert exact.kernel == "gluon_small" and exact.block_m == 64 and exact.promote == 0
     assert exact.block_rows * exact.sub_tiles == cfg.block_rows  # the same route tiles, in 64-row sub-tiles
-    halves = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_rows=128, sub_tiles=2), gemm1=True)
-    exact = unfolded_config(halves, True, 4096)
+    tall = gemm_config(65536, 288, 1024, 4096, True, dict(WS8, block_m=128, block_rows=256), gemm1=True)
+    exact = unfolded_config(tall, True, 4096)
     assert exact.block_rows * exact.sub_tiles == 256  # (its pack: 256-row tiles)
 
 
@@ -103,11 +101,9 @@ def test_bitwise_the_small_tile_kernel_with_the_same_chains(shape, T, scales):
     for small, new in ((small_64, dict(WS8, block_rows=64, promote=8)), (small_128, dict(WS8, block_rows=128)),
                        (small_64, dict(WS8, block_m=128, block_rows=128, promote=8)),  # one m-tile per warpgroup
                        (small_128, dict(WS8, block_m=128, block_rows=256)),
-                       (small_128, dict(WS8, block_rows=128, sub_tiles=2)),  # a 256-row pack's 128-row halves
                        (small_128, dict(WS8, block_rows=128, pingpong=True)),  # MMAs issued in turns
                        (small_128, dict(WS8, block_m=128, block_rows=256, pingpong=True)),
-                       (small_64, dict(WS8, block_m=128, block_rows=128, promote=8, pingpong=True)),
-                       (small_128, dict(gemm1=dict(WS8, block_rows=128, sub_tiles=2), gemm2=dict(WS8, block_rows=256)))):
+                       (small_64, dict(WS8, block_m=128, block_rows=128, promote=8, pingpong=True))):
         want = _call(ex, x, w, ids, small)
         got = _call(ex, x, w, ids, new)
         assert not bool(got.isnan().any())

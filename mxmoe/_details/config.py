@@ -81,9 +81,8 @@ class GemmConfig:
                                  "block_m 128 or 256")
             if self.block_rows not in ((64, 128) if self.block_m == 256 else (64, 128, 256)):
                 raise ValueError("the W4A8 prefill kernel takes 64- or 128-row route tiles, 256 at block_m=128")
-            if self.sub_tiles not in (1, 2) or (self.sub_tiles == 2 and self.block_rows != 128):
-                raise ValueError("the W4A8 prefill kernel takes a 256-row pack's tiles whole or in two 128-row "
-                                 "sub-tiles (sub_tiles=2 at block_rows=128)")
+            if self.sub_tiles != 1:
+                raise ValueError("the W4A8 prefill kernel takes its route pack's tiles whole (sub_tiles=1)")
             if self.promote and self.block_rows * self.block_m > 128 * 128:
                 raise ValueError("the W4A8 prefill kernel's promoted sums fit the registers at block_rows x block_m "
                                  "<= 128 x 128 only")
@@ -571,8 +570,7 @@ def w4a8_tall_tiles(rows: int, num_experts: int, hidden: int, inter: int, kernel
     every one on the prefill kernel, a small-tile GEMM beside them on the pack's 128-row halves
     (:func:`tiles_beside`), where experts average more than ``WIDE_FROM`` rows (a workspace holds 256-row packs there)
     and, under uniform routing's expected slots per expert (``_tiles_per_expert``), the two GEMMs' costs (MACs per
-    row: GEMM1 2, GEMM2 1; ``WS8_TALL_SLOT_COST``, ``SMALL_SUB_TILE_COST``) come out lower than on 128-row tiles.
-    (The prefill kernel on the halves, ``sub_tiles=2``, has not run on a GPU yet: overrides only.)"""
+    row: GEMM1 2, GEMM2 1; ``WS8_TALL_SLOT_COST``, ``SMALL_SUB_TILE_COST``) come out lower than on 128-row tiles."""
     ks, ws8 = (hidden, inter), tuple(kernel == "gluon_ws8" for kernel in kernels)
     if rows <= WIDE_FROM * num_experts or not any(ws8) or max(k for k, w in zip(ks, ws8) if w) > WS8_MAX_CHAIN_K:
         return False, False  # (past it the prefill kernel's chains need 64-row tiles)

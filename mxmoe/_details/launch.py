@@ -111,8 +111,7 @@ def _gemm_launch(a, a_scale, w, w_scale, w_ref, gscale, bias, pack, out, topk_we
         if cfg.kernel == "gluon_ws8":
             del meta["BM"], meta["FP8"]
             meta.update(K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, PRODUCER_REGS=cfg.loader_regs,
-                        CONSUMER_REGS=cfg.converter_regs, M_TILES=ws8_m_tiles(cfg), SUB_TILES=cfg.sub_tiles,
-                        PINGPONG=cfg.pingpong,
+                        CONSUMER_REGS=cfg.converter_regs, M_TILES=ws8_m_tiles(cfg), PINGPONG=cfg.pingpong,
                         **pdl_launch(out.device, kernel_arg=False))
             args.append(fold)
         else:

@@ -78,7 +78,7 @@ def compile_gemm(gemm1: bool, fp8: bool, cfg: GemmConfig, *, bias: bool = True, 
         del const["FP8"], const["BM"]
         const.update(OUT_I64=out_i64, K_TAIL=k % cfg.block_k, PROMOTE=cfg.promote, W_UNIT=row_block_unit(k),
                      PRODUCER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.converter_regs, M_TILES=ws8_m_tiles(cfg),
-                     SUB_TILES=cfg.sub_tiles, PINGPONG=cfg.pingpong)
+                     PINGPONG=cfg.pingpong)
         sig.update(fold_ptr="*i32")
     else:
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -277,9 +277,6 @@ def default_cases(E: int = 288, H: int = 4096, I: int = 1024, rows=(8, 65536),
     cases += [("gluon_ws8", small_rows[-1], True, dict(block_m=128, block_rows=256, **shape), False)
               for shape in ({}, dict(hidden=2880, intermediate=2880))]
     cases += [("gluon_ws8", small_rows[-1], True, dict(block_m=128, block_rows=128, promote=8), False)]
-    # two m-tiles per warpgroup on a 256-row pack's 128-row halves (beside the other GEMM's 256-row tiles)
-    cases += [("gluon_ws8", small_rows[-1], True, dict(block_rows=128, sub_tiles=2, hidden=2880, intermediate=2880),
-               False)]
     # MMAs issued in turns by the two consumer warpgroups, both m-tile forms, gpt-oss's K tail
     cases += [("gluon_ws8", small_rows[-1], True, dict(pingpong=True, **kw), False)
               for kw in ({}, dict(block_m=128, block_rows=256), dict(block_m=128, block_rows=256, hidden=2880,

@@ -7,9 +7,7 @@ a producer warpgroup and two consumer warpgroups.
   (no exchange before the activation), 128 output columns per program; GEMM2: 128 consecutive rows per warpgroup.
   ``M_TILES`` = 1: 128 weight rows per program, BT up to 256 (at 256 half the conversions per MAC); GEMM1: a
   warpgroup's m-tile holds the gate and up rows of 32 output columns in 8-row slabs (``_gate_up_rows``: a thread
-  again holds both sums of its outputs), 64 columns per program; GEMM2: 64 rows per warpgroup. ``SUB_TILES`` = 2: a
-  pack of 256-row tiles read as 128-row halves, one after another (a half without a route is skipped; beside the
-  other GEMM's 256-row tiles).
+  again holds both sums of its outputs), 64 columns per program; GEMM2: 64 rows per warpgroup.
 - Producer (4 warps, ``PRODUCER_REGS`` registers): per stage ``cp.async`` of the 2 ``M_TILES`` 64-row blocks' packed
   E2M1 bytes (each one contiguous piece of the prepared row blocks) and of the gathered FP8 activation rows (GEMM1:
   each route's token row of x; GEMM2: the slot's intermediate row) into a ring of ``NUM_STAGES``; every producer thread
@@ -37,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .sm90_operands import (_e4m3_addends, _e4m3_operands, _fp8_chain, _fp8_wait, _fragment_bytes,
                             _fragment_bytes_layout, _pow2, _scale_word_rows, _small_mma_layout)
 from .sm90_pipeline import (_async_load, _epilogue, _gate_up_apart, _gate_up_layout, _gate_up_rows, _joined_layout,
-                            _launch_dependents, _origin, _packed_layout, _reinterpret, _step_offset, _tile_origin,
+                            _launch_dependents, _packed_layout, _reinterpret, _step_offset, _tile_origin,
                             _tile_routes,
                             _wait_for_previous_kernel, _weight_pointers)
 
@@ -97,25 +95,16 @@ def _pair_sources(w_ptr, expert, n0, N, K, pair: gl.constexpr, GEMM1: gl.constex
 
 
 @gluon.jit
-def _has_tile(fold_ptr, tile_expert_ptr, routes_ptr, tile, n_blocks, BT: gl.constexpr, SUB: gl.constexpr):
-    """Whether ``tile`` runs here: its expert's scales fold (the others take the exact unfolded kernel) and (``SUB`` >
-    1) its sub-tile holds a route (an expert's rows fill its pack tiles from the first slot)."""
-    t = tile // n_blocks
-    if SUB == 1:  # (apart: the one form as written compiles the default to other SASS than the GPU-tested one)
-        return gl.load(fold_ptr + gl.load(tile_expert_ptr + t)) != 0
-    else:
-        return (gl.load(fold_ptr + gl.load(tile_expert_ptr + t // SUB)) != 0) & (gl.load(routes_ptr + t * BT) >= 0)
+def _has_tile(fold_ptr, tile_expert_ptr, tile, n_blocks):
+    """Whether ``tile`` runs here: its expert's scales fold (the others take the exact unfolded kernel)."""
+    return gl.load(fold_ptr + gl.load(tile_expert_ptr + tile // n_blocks)) != 0
 
 
 @gluon.jit
-def _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr):
+def _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS: gl.constexpr, BT: gl.constexpr):
     """(expert, first output column, first weight row, first pack slot) of ``tile``: column block ``tile %
-    n_blocks`` of route tile ``tile // n_blocks``, the ``SUB`` BT-row sub-tiles of a pack tile one after another."""
-    if SUB == 1:  # (apart, as in ``_has_tile``)
-        return _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
-    else:
-        t = tile // n_blocks
-        return _origin(gl.load(tile_expert_ptr + t // SUB).to(gl.int64), t, tile % n_blocks, N, 1, COLS, BT)
+    n_blocks`` of route tile ``tile // n_blocks``."""
+    return _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
 
 
 # --------------------------------------------------------------------------------------------------------- producer
@@ -139,7 +128,7 @@ def _issue_weights(packed, w_ptrs, row_ok, pair: gl.constexpr, row_bytes, s, i, 
 @gluon.jit
 def _producer(a_ptr, stride_a, w_ptr, routes_ptr, tile_expert_ptr, fold_ptr, first, end, stride, n_blocks, N, K,
               top_k, num_full, packed, act, loaded, consumed, GEMM1: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-              NUM_STAGES: gl.constexpr, U: gl.constexpr, K_TAIL: gl.constexpr, MT: gl.constexpr, SUB: gl.constexpr):
+              NUM_STAGES: gl.constexpr, U: gl.constexpr, K_TAIL: gl.constexpr, MT: gl.constexpr):
     """The producer partition: every stage of every tile the program walks, into the ring."""
     _wait_for_previous_kernel()  # (the route pack and the activations are the previous kernels' output)
     EPV: gl.constexpr = 16  # FP8 values per 16-B copy
@@ -148,8 +137,8 @@ def _producer(a_ptr, stride_a, w_ptr, routes_ptr, tile_expert_ptr, fold_ptr, fir
     COLS: gl.constexpr = _columns(GEMM1, MT)
     c = 0  # ring steps so far
     for tile in range(first, end, stride):
-        if _has_tile(fold_ptr, tile_expert_ptr, routes_ptr, tile, n_blocks, BT, SUB):
-            expert, n0, _, slot0 = _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS, BT, SUB)
+        if _has_tile(fold_ptr, tile_expert_ptr, tile, n_blocks):
+            expert, n0, _, slot0 = _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS, BT)
             # rows of output columns past N (a program's last columns when N % COLS != 0): not copied
             w_a, ok_a, row_bytes = _pair_sources(w_ptr, expert, n0, N, K, 0, GEMM1, BK, U, MT)
             w_b, ok_b = w_a, ok_a
@@ -286,7 +275,7 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
               packed, act, loaded, consumed, turn, GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr,
               HAS_GSCALE: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr,
               U: gl.constexpr, K_TAIL: gl.constexpr, PROMOTE: gl.constexpr, OUT_I64: gl.constexpr, MT: gl.constexpr,
-              SUB: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+              PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: its ``MT`` m-tiles of every tile the program walks (module docstring)."""
     _wait_for_previous_kernel()  # (the activations' scales, the route pack)
     NB: gl.constexpr = BK // 32
@@ -299,8 +288,8 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
     sm = gl.arange(0, BM, layout=gl.SliceLayout(1, SC))
     c = 0
     for tile in range(first, end, stride):
-        if _has_tile(fold_ptr, tile_expert_ptr, routes_ptr, tile, n_blocks, BT, SUB):
-            expert, n0, _, slot0 = _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS, BT, SUB)
+        if _has_tile(fold_ptr, tile_expert_ptr, tile, n_blocks):
+            expert, n0, _, slot0 = _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS, BT)
             row0, offs, row1 = _m_tile_rows(expert, n0, N, sm, WG, GEMM1, MT)
             lo0, hi0 = _e4m3_addends(gl.load(ref_ptr + row0 + offs))
             lo1, hi1 = _e4m3_addends(gl.load(ref_ptr + row1 + offs))  # (MT = 1: unused)
@@ -429,7 +418,7 @@ def moe_gemm_ws8_kernel(
     GEMM1: gl.constexpr, SWIGLUOAI: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_GSCALE: gl.constexpr,
     BT: gl.constexpr, BK: gl.constexpr, NUM_STAGES: gl.constexpr, W_UNIT: gl.constexpr, K_TAIL: gl.constexpr,
     PROMOTE: gl.constexpr = 0, OUT_I64: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 64,
-    CONSUMER_REGS: gl.constexpr = 224, M_TILES: gl.constexpr = 2, SUB_TILES: gl.constexpr = 1,
+    CONSUMER_REGS: gl.constexpr = 224, M_TILES: gl.constexpr = 2,
     PINGPONG: gl.constexpr = False,
 ):
     """The ``moe_gemm_kernel`` contract for W4A8 prefill (module docstring): ``num_warps=4`` (the first consumer
@@ -444,7 +433,6 @@ def moe_gemm_ws8_kernel(
     N, K, top_k, limit, alpha = dims
     gl.static_assert(gl.num_warps() == 4 and BK == 128 and (M_TILES == 1 or M_TILES == 2))
     gl.static_assert(BT == 64 or BT == 128 or (BT == 256 and M_TILES == 1))
-    gl.static_assert(SUB_TILES == 1 or (SUB_TILES == 2 and BT == 128))
     gl.static_assert(K_TAIL % 64 == 0 and K_TAIL < BK)
     gl.static_assert(PROMOTE == 0 or M_TILES * BT <= 128)  # (the promoted sums' registers)
     _wait_for_previous_kernel()
@@ -453,7 +441,7 @@ def moe_gemm_ws8_kernel(
     n_blocks = gl.cdiv(N, _columns(GEMM1, M_TILES))
     first = gl.program_id(0)
     stride = gl.num_programs(0)
-    end = n_blocks * gl.load(num_tiles_ptr) * SUB_TILES
+    end = n_blocks * gl.load(num_tiles_ptr)
     num_full = K // BK
     if first < end:
         packed = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES * 2 * M_TILES, BM, BK // 2],
@@ -474,14 +462,14 @@ def moe_gemm_ws8_kernel(
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
                          limit, alpha, num_full, packed, act, loaded, consumed, turn, GEMM1, SWIGLUOAI, HAS_BIAS,
-                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES,
+                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES,
                          PINGPONG, 0)),
             (_consumer, (a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, sorted_routes_ptr, tile_expert_ptr,
                          fold_ptr, out_ptr, stride_out, topk_weights_ptr, first, end, stride, n_blocks, N, K, top_k,
                          limit, alpha, num_full, packed, act, loaded, consumed, turn, GEMM1, SWIGLUOAI, HAS_BIAS,
-                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES, SUB_TILES,
+                         HAS_GSCALE, BT, BK, NUM_STAGES, W_UNIT, K_TAIL, PROMOTE, OUT_I64, M_TILES,
                          PINGPONG, 1)),
             (_producer, (a_ptr, stride_a, w_ptr, sorted_routes_ptr, tile_expert_ptr, fold_ptr, first, end, stride,
                          n_blocks, N, K, top_k, num_full, packed, act, loaded, consumed, GEMM1, BT, BK, NUM_STAGES,
-                         W_UNIT, K_TAIL, M_TILES, SUB_TILES)),
+                         W_UNIT, K_TAIL, M_TILES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
