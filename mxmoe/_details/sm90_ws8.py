@@ -17,12 +17,11 @@ a producer warpgroup and two consumer warpgroups.
   exactly its register-operand bytes, converts them through the E4M3 byte table with the block's scale folded
   (``sm90_operands._e4m3_operands``) and issues one async FP8 wgmma per K32 block on the stage's activations; the
   conversion of m-tile 1 runs while m-tile 0's MMAs do, and the other warpgroup's MMAs keep the tensor core busy while
-  one converts (``PINGPONG``: in strict turns, step by step). Each step's scale words are loaded a step before their
-  use. A stage is
-  released (``consumed``, one arrival per warpgroup) once its m-tiles' MMAs completed. The FP8
-  accumulator chains over the whole K (SPEC §5 allows 4096 K); ``PROMOTE`` = P > 0 cuts the chains at every P steps,
-  each chain's sums added to FP32 registers (the tests' 1024-K chains; registers for both only at ``M_TILES`` x
-  ``BT`` <= 128). Then the tile's epilogue (``sm90_pipeline._epilogue``).
+  one converts (``PINGPONG``: the two issue their MMAs in strict turns, step by step). Each step's scale words are
+  loaded a step before their use. A stage is released (``consumed``, one arrival per warpgroup) once its m-tiles' MMAs
+  completed. The FP8 accumulator chains over the whole K (SPEC §5 allows 4096 K); ``PROMOTE`` = P > 0 cuts the chains
+  at every P steps, each chain's sums added to FP32 registers (the tests' 1024-K chains; registers for both only at
+  ``M_TILES`` x ``BT`` <= 128). Then the tile's epilogue (``sm90_pipeline._epilogue``).
 - ``K_TAIL`` = K % BK (a multiple of 64): a last stage of that many K (gpt-oss: K = 2880). Output columns past N
   (GEMM2, N % (128 ``M_TILES``) != 0) are computed on zeroed or stale weights and never stored.
 - Experts whose scales do not fold (``fold_ptr`` 0) are skipped: the exact unfolded small-tile kernel takes them.
