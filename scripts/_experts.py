@@ -8,7 +8,9 @@ from mxmoe._details.config import overrides
 from mxmoe.selection import plan_layer
 # the device scripts' per-kernel times: the bench's (torch profiler, median per kernel over 5 calls after an
 # unrecorded one; raises if the calls launched different kernels)
-from mxmoe.bench import kernel_times  # noqa: F401
+from mxmoe.bench import kernel_times
+
+__all__ = ["kernel_times", "random_experts", "run", "variant"]
 
 
 def random_experts(E, H, I, lo=118, hi=122, wide=False, biases=False):
