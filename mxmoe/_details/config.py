@@ -551,9 +551,8 @@ def _small_config(rows, num_experts, n, k, fp8, override: dict, gemm1, sm_count)
 
 
 def tiles_beside(ws8: GemmConfig) -> dict:
-    """The route-tile fields of a GEMM beside one on the W4A8 prefill kernel (``ws8``), on its pack: tiles of at most
-    128 rows (the small-tile kernel's; the prefill kernel's two m-tiles per warpgroup), so 256-row tiles in two
-    sub-tiles."""
+    """The small-tile kernel's route-tile fields for a GEMM beside one on the W4A8 prefill kernel (``ws8``), on its
+    pack: its tiles are at most 128 rows, so 256-row tiles in two sub-tiles."""
     return dict(block_rows=min(ws8.block_rows, 128), sub_tiles=max(ws8.block_rows // 128, 1))
 
 
@@ -644,8 +643,8 @@ def unfolded_config(cfg: GemmConfig, gemm1: bool, k: int) -> GemmConfig:
     sub-tiles; 128 K per stage where the scale words allow, 64 for GEMM1 at 64 rows under a cap of 200 registers and
     160 at 32 rows (perf-notes steps 13 and 15)."""
     if cfg.kernel == "gluon_ws8":  # (its route pack, the small-tile kernel's form)
-        cfg = GemmConfig(block_rows=cfg.block_rows, sub_tiles=cfg.sub_tiles, block_m=64, block_k=64, num_warps=4,
-                         num_stages=4, kernel="gluon_small", scale_words=k % 128 == 0)
+        cfg = GemmConfig(block_rows=cfg.block_rows, block_m=64, block_k=64, num_warps=4, num_stages=4,
+                         kernel="gluon_small", scale_words=k % 128 == 0)
     bt = min(cfg.block_rows, 64)
     bk = 128 if k % 128 == 0 else cfg.block_k
     nreg = 0

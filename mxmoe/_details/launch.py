@@ -235,14 +235,13 @@ def _configs(x, experts: PreparedExperts, top_k: int, routes: int, fp8: bool) ->
             tall = w4a8_tall_tiles(routes, E, H, I, kernels)
             table1, table2 = ({"block_rows": 256, **t} if high else t for t, high in zip((table1, table2), tall))
         cfg1, cfg2 = config(True, table1), config(False, table2)
-        # the other GEMM on the pack of the W4A8 kernel's 256-row tiles, or of its tiles beside a small-tile GEMM
+        # a small-tile GEMM beside the W4A8 prefill kernel on that kernel's pack
         ws8 = [cfg for cfg in (cfg1, cfg2) if cfg.kernel == "gluon_ws8"]
-        lead = next((cfg for cfg in ws8 if cfg.block_rows == 256), ws8[0] if len(ws8) == 1 else None)
-        if lead is not None and pack_shape(cfg1) != pack_shape(cfg2):
-            if lead is cfg1:
-                cfg2 = config(False, {**table2, **tiles_beside(lead)})
+        if len(ws8) == 1 and pack_shape(cfg1) != pack_shape(cfg2):
+            if ws8[0] is cfg1:
+                cfg2 = config(False, {**table2, **tiles_beside(cfg1)})
             else:
-                cfg1 = config(True, {**table1, **tiles_beside(lead)})
+                cfg1 = config(True, {**table1, **tiles_beside(cfg2)})
         if pack_shape(cfg1) != pack_shape(cfg2):  # (overrides that set one GEMM's tiles only)
             raise ValueError(f"both GEMMs read one route pack: GEMM1's tiles {pack_shape(cfg1)} and GEMM2's "
                              f"{pack_shape(cfg2)} (slots, extra rows) differ; set both GEMMs' block_rows")

@@ -99,13 +99,6 @@ def _has_tile(fold_ptr, tile_expert_ptr, tile, n_blocks):
     return gl.load(fold_ptr + gl.load(tile_expert_ptr + tile // n_blocks)) != 0
 
 
-@gluon.jit
-def _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS: gl.constexpr, BT: gl.constexpr):
-    """(expert, first output column, first weight row, first pack slot) of ``tile``: column block ``tile %
-    n_blocks`` of route tile ``tile // n_blocks``."""
-    return _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
-
-
 # --------------------------------------------------------------------------------------------------------- producer
 
 
@@ -137,7 +130,7 @@ def _producer(a_ptr, stride_a, w_ptr, routes_ptr, tile_expert_ptr, fold_ptr, fir
     c = 0  # ring steps so far
     for tile in range(first, end, stride):
         if _has_tile(fold_ptr, tile_expert_ptr, tile, n_blocks):
-            expert, n0, _, slot0 = _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS, BT)
+            expert, n0, _, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
             # rows of output columns past N (a program's last columns when N % COLS != 0): not copied
             w_a, ok_a, row_bytes = _pair_sources(w_ptr, expert, n0, N, K, 0, GEMM1, BK, U, MT)
             w_b, ok_b = w_a, ok_a
@@ -198,8 +191,8 @@ def _scale_sources(s_ptr, row0, offs, K, SCALE_WORDS: gl.constexpr, NB: gl.const
 @gluon.jit
 def _scale_load(src, i, SCALE_WORDS: gl.constexpr, NB: gl.constexpr):
     """Issue the loads of K step ``i``'s scale bytes of an m-tile's rows: with ``SCALE_WORDS`` one 32-bit word per row
-    (128 K), else NB bytes. The loaded values cross the loop's back edge as they are, unpacked at their use one or two
-    steps later (``_scale_unpack``): unpacked here, the loads' latency stalled every step (perf-notes step 55)."""
+    (128 K), else NB bytes. The loaded values cross the loop's back edge as they are, unpacked at their use a step
+    later (``_scale_unpack``): unpacked here, the loads' latency stalled every step (perf-notes step 55)."""
     if SCALE_WORDS:
         return gl.load(src + i)
     else:
@@ -207,9 +200,8 @@ def _scale_load(src, i, SCALE_WORDS: gl.constexpr, NB: gl.constexpr):
 
 
 @gluon.jit
-def _scale_ring(src0, src1, first, num_full, SCALE_WORDS: gl.constexpr, NB: gl.constexpr, MT: gl.constexpr):
-    """Both m-tiles' scale loads of K step ``first`` (past the last full step: the last one's again, never used)."""
-    i = gl.maximum(gl.minimum(first, num_full - 1), 0)
+def _scale_ring(src0, src1, i, SCALE_WORDS: gl.constexpr, NB: gl.constexpr, MT: gl.constexpr):
+    """Both m-tiles' scale loads of K step ``i``."""
     nxt0 = _scale_load(src0, i, SCALE_WORDS, NB)
     nxt1 = nxt0
     if MT == 2:
@@ -288,7 +280,7 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
     c = 0
     for tile in range(first, end, stride):
         if _has_tile(fold_ptr, tile_expert_ptr, tile, n_blocks):
-            expert, n0, _, slot0 = _ws8_origin(tile_expert_ptr, tile, n_blocks, N, COLS, BT)
+            expert, n0, _, slot0 = _tile_origin(tile_expert_ptr, tile // n_blocks, tile % n_blocks, N, 1, COLS, BT)
             row0, offs, row1 = _m_tile_rows(expert, n0, N, sm, WG, GEMM1, MT)
             lo0, hi0 = _e4m3_addends(gl.load(ref_ptr + row0 + offs))
             lo1, hi1 = _e4m3_addends(gl.load(ref_ptr + row1 + offs))  # (MT = 1: unused)
@@ -303,13 +295,13 @@ def _consumer(a_scale_ptr, s_ptr, ref_ptr, gscale_ptr, bias_ptr, routes_ptr, til
             acc1 = zero
             tot0 = zero  # PROMOTE: the FP32 sums of the chains done
             tot1 = zero
-            nxt0, nxt1 = _scale_ring(src0, src1, 0, num_full, SCALE_WORDS, NB, MT)
+            nxt0, nxt1 = _scale_ring(src0, src1, 0, SCALE_WORDS, NB, MT)
             for i in range(num_full):
                 s = _stage_ready(loaded, c, NUM_STAGES)
                 cur0 = _scale_unpack(nxt0, SCALE_WORDS, NB, SC)
                 cur1 = _scale_unpack(nxt1, SCALE_WORDS, NB, SC)
                 if i + 1 < num_full:  # the next step's scale bytes, in flight through this one
-                    nxt0, nxt1 = _scale_ring(src0, src1, i + 1, num_full, SCALE_WORDS, NB, MT)
+                    nxt0, nxt1 = _scale_ring(src0, src1, i + 1, SCALE_WORDS, NB, MT)
                 use_acc = True
                 if PROMOTE > 0:
                     use_acc = i % PROMOTE != 0  # (False: a chain starts from zero)
